@@ -1,0 +1,41 @@
+"""Turn typed errors into one line and exit code 2 (full traceback only with --debug)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _debug(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("LLMCOMPRESS_DEBUG") == "1"
+
+
+def run_app(app, argv: list[str] | None = None) -> int:
+    from llmcompress.errors import UserError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        app(args=argv, prog_name="llmcompress", standalone_mode=False)
+        return 0
+    except UserError as exc:
+        if _debug(argv):
+            raise
+        print(f"error: {exc.one_line()}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted: outputs written so far are complete; rerun with --resume to continue", file=sys.stderr)
+        return 130
+    except Exception as exc:  # click usage errors and friends
+        import click
+
+        if isinstance(exc, click.exceptions.Exit):
+            return exc.exit_code
+        if isinstance(exc, click.exceptions.Abort):
+            return 130
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            return 2
+        if _debug(argv):
+            raise
+        print(f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1

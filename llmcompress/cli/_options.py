@@ -1,0 +1,16 @@
+"""Shared option aliases, so every command spells model, device, dtype and output the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ModelArg = Annotated[str, typer.Argument(help="Model: alias (smollm2-135m), HF directory, .gguf file or hub id.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda (auto takes a GPU when present).")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16.")]
+OutOpt = Annotated[Path, typer.Option("--out", help="Output directory (refused if it exists, unless --overwrite).")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --out.")]

@@ -1,0 +1,3 @@
+"""placeholder"""
+def eval_command() -> None:
+    """placeholder"""

@@ -1,0 +1,1 @@
+"""Model I/O: loading, architecture adapters, layer surgery and checkpoints."""

@@ -1,0 +1,47 @@
+"""Device, dtype and seed resolution: done once at the edge, passed inward as torch objects."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import TYPE_CHECKING
+
+from llmcompress.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_device(name: str = "auto") -> tuple[torch.device, str]:
+    """Return (device, reason). `auto` takes a GPU when one is present."""
+    import torch
+
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda"), "auto: CUDA device found"
+        return torch.device("cpu"), "auto: no CUDA device, using CPU"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name} asked for but no CUDA device is available", "use --device cpu or auto")
+    if name not in ("cpu",) and not name.startswith("cuda"):
+        raise UserError(f"unknown device {name!r}", "use auto, cpu or cuda")
+    return torch.device(name), "asked for"
+
+
+def resolve_dtype(name: str = "float32") -> torch.dtype:
+    import torch
+
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}", f"use one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    os.environ.setdefault("PYTHONHASHSEED", str(seed))
