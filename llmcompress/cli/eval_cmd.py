@@ -1,3 +1,82 @@
-"""placeholder"""
-def eval_command() -> None:
-    """placeholder"""
+"""`llmcompress eval MODEL [MODEL ...]`: perplexity, lm-eval tasks, size and speed, side by side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmcompress.cli._options import DeviceOpt, DtypeOpt, OverwriteOpt
+
+
+def eval_command(
+    models: Annotated[Optional[list[str]], typer.Argument(help="Models to compare (aliases, directories, .gguf files).")] = None,
+    ppl: Annotated[list[str], typer.Option("--ppl", help="Perplexity dataset or file (repeatable); 'none' to skip.")] = ["wikitext2"],  # noqa: B006
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Window length for perplexity.")] = 512,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Score at most this many tokens (0: all).")] = 16384,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 4,
+    tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated lm-eval tasks (shipped: piqa).")] = "",
+    limit: Annotated[Optional[float], typer.Option("--limit", help="lm-eval: samples per task (or fraction).")] = None,
+    include_tasks: Annotated[Optional[Path], typer.Option("--include-tasks", help="Folder of extra lm-eval task YAMLs.")] = None,
+    speed: Annotated[bool, typer.Option("--speed/--no-speed", help="Measure prefill/decode speed.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Write report.json and report.md here.")] = None,
+    overwrite: OverwriteOpt = False,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "auto",
+) -> None:
+    """Evaluate models: perplexity, lm-evaluation-harness tasks, size and speed, in one table."""
+    from llmcompress.errors import UserError
+    from llmcompress.eval.report import EvalSpec, evaluate, table_rows, write_report
+    from llmcompress.io.atomic import check_out_dir
+    from llmcompress.io.load import DEFAULT_MODEL, load_model, resolve
+    from llmcompress.runtime import resolve_device, resolve_dtype
+
+    models = models or [DEFAULT_MODEL]
+    if seq_len < 2:
+        raise UserError(f"--seq-len {seq_len} is too short", "use 2 or more")
+    if out is not None:
+        check_out_dir(out, overwrite=overwrite)
+    for m in models:  # validate every model before the first slow step
+        resolve(m)
+    spec = EvalSpec(
+        ppl=[p for p in ppl if p.lower() != "none"],
+        seq_len=seq_len,
+        max_tokens=max_tokens or None,
+        batch_size=batch_size,
+        tasks=[t.strip() for t in tasks.split(",") if t.strip()],
+        limit=int(limit) if limit is not None and limit >= 1 else limit,
+        include_tasks=str(include_tasks) if include_tasks else None,
+        speed=speed,
+    )
+    if spec.ppl:
+        from llmcompress.data.sources import load_texts
+
+        for data in spec.ppl:  # unknown dataset / empty file: fail before loading any model
+            load_texts(data)
+    dev, _ = resolve_device(device)
+    rows = []
+    for m in models:
+        lm = load_model(m, dtype=resolve_dtype(dtype), device=dev)
+        rows.append(evaluate(lm, spec, path=m if Path(m).exists() else None))
+        del lm
+    if out is not None:
+        write_report(out, rows, spec)
+    if as_json:
+        typer.echo(json.dumps({"spec": spec.to_dict(), "models": rows}, indent=2, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    keys, cells = table_rows(rows)
+    table = Table(title="llmcompress eval")
+    table.add_column("metric")
+    for r in rows:
+        table.add_column(str(r["model"]), justify="right")
+    for k, vals in zip(keys, cells):
+        table.add_row(k, *vals)
+    Console().print(table)
+    if out is not None:
+        Console().print(f"report written to {out}/report.md")

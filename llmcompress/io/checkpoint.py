@@ -62,8 +62,9 @@ def save_checkpoint(
 ) -> Path:
     """Write model (safetensors), tokenizer and manifest to `out`, atomically."""
     out = Path(out)
-    from llmcompress.io.load import _drop_quantization_config
+    from llmcompress.io.load import _drop_quantization_config, quiet_transformers
 
+    quiet_transformers()
     _drop_quantization_config(model)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)

@@ -60,6 +60,20 @@ class LoadedModel:
         return self.model.config
 
 
+def quiet_transformers() -> None:
+    """Silence transformers' own progress bars and warnings: llmcompress draws its own bars."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:
+        pass
+
+
 def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -214,6 +228,7 @@ def load_model(
     """
     import torch
 
+    quiet_transformers()
     dtype = dtype or torch.float32
     kind, where = resolve(spec)
     source_hash = ""

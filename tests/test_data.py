@@ -1,0 +1,81 @@
+"""Data sources, detokenization and packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmcompress.data.blocks import pack_blocks, token_stream
+from llmcompress.data.sources import detokenize_wikitext, load_texts
+from llmcompress.errors import DataError
+
+
+def test_detokenize_wikitext():
+    raw = "The 1 @,@ 000 @-@ year old , 3 @.@ 5 m tall ( roughly ) house 's roof .\n"
+    assert detokenize_wikitext(raw) == "The 1,000-year old, 3.5 m tall (roughly) house's roof.\n"
+
+
+def test_pack_blocks_seeded_is_deterministic_and_disjoint_by_offset():
+    ids = torch.arange(1000)
+    a = pack_blocks(ids, 10, n_blocks=20, seed=3)
+    b = pack_blocks(ids, 10, n_blocks=20, seed=3)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, pack_blocks(ids, 10, n_blocks=20, seed=4))
+    val = pack_blocks(ids, 10, n_blocks=20, seed=3, offset=20)
+    starts_a = set(a[:, 0].tolist())
+    assert starts_a.isdisjoint(val[:, 0].tolist())
+    # every block is a contiguous slice of the stream
+    assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(20, 9, dtype=a.dtype))
+
+
+def test_pack_blocks_unseeded_takes_the_first_windows():
+    ids = torch.arange(55)
+    blocks = pack_blocks(ids, 10)
+    assert blocks.shape == (5, 10) and blocks[0, 0] == 0 and blocks[-1, -1] == 49
+
+
+def test_data_shorter_than_one_block_is_an_error():
+    with pytest.raises(DataError, match="shorter than one block"):
+        pack_blocks(torch.arange(5), 10)
+
+
+def test_empty_file_and_unknown_name(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(DataError, match="empty"):
+        load_texts(str(empty))
+    with pytest.raises(DataError, match="unknown dataset"):
+        load_texts("no-such-dataset")
+
+
+def test_jsonl_needs_text_field(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "hello"}\n{"other": 1}\n')
+    with pytest.raises(DataError, match="no 'text' field"):
+        load_texts(str(f))
+    f.write_text('{"text": "hello"}\n{"text": "world"}\n')
+    assert load_texts(str(f)) == ["hello", "world"]
+
+
+def test_named_datasets_resolve_from_the_data_dir():
+    pytest.importorskip("tokenizers")
+    valid = load_texts("wikitext2", "valid")[0]
+    assert " @-@ " not in valid and " ," not in valid[:100000]
+    test = load_texts("wikitext2")[0]
+    assert test.startswith(" \n = Robert Boulter =")
+    shakes = load_texts("tinyshakespeare", "valid")[0]
+    assert len(shakes) < len(load_texts("tinyshakespeare", "all")[0]) / 5
+    piqa = load_texts("piqa")
+    assert len(piqa) == 1838 and piqa[0].startswith("Question: ")
+
+
+def test_token_stream_is_cached_and_identical(tiny_hf_dir, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("LLMCOMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+    tok = AutoTokenizer.from_pretrained(tiny_hf_dir)
+    first = token_stream(tok, ["hello world", "second doc"])
+    assert list((tmp_path / "cache" / "tokens").glob("*.npy"))
+    again = token_stream(tok, ["hello world", "second doc"])
+    assert torch.equal(first, again)
+    assert first.numel() == len("hello world") + 2 + len("second doc")
