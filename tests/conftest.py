@@ -78,7 +78,7 @@ def tiny_llama():
 @pytest.fixture
 def tiny_hf_dir(tmp_path):
     """A tiny LLaMA saved as a HF directory, with a real (byte-level) fast tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     model = tiny_model("llama")

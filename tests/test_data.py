@@ -79,3 +79,19 @@ def test_token_stream_is_cached_and_identical(tiny_hf_dir, tmp_path, monkeypatch
     again = token_stream(tok, ["hello world", "second doc"])
     assert torch.equal(first, again)
     assert first.numel() == len("hello world") + 2 + len("second doc")
+
+
+def test_unreachable_data_falls_back_to_self_text(tiny_hf_dir, tmp_path, monkeypatch, capsys):
+    from llmcompress.data.blocks import calibration_blocks
+    from llmcompress.io.load import load_model
+
+    monkeypatch.setenv("LLMCOMPRESS_DATA_DIR", str(tmp_path / "nodata"))
+    monkeypatch.setenv("LLMCOMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+    lm = load_model(str(tiny_hf_dir))
+    with pytest.raises(DataError, match="unreachable"):
+        calibration_blocks(lm.tokenizer, "wikitext2", seq_len=16, n_blocks=3)  # no model: no fallback
+    blocks, label = calibration_blocks(lm.tokenizer, "wikitext2", seq_len=16, n_blocks=3, seed=1, model=lm.model)
+    assert "notice" in capsys.readouterr().err and label.startswith("self")
+    assert blocks.shape == (3, 16) and blocks.max() < 256
+    again, _ = calibration_blocks(lm.tokenizer, "self", seq_len=16, n_blocks=3, seed=1, model=lm.model)
+    assert torch.equal(blocks, again)  # deterministic under the seed (and cached)

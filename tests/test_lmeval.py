@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from llmcompress.eval.lmeval import run_lm_eval, shipped_tasks

@@ -96,9 +96,28 @@ def _split_named(ds: NamedDataset, split: str, raw: str) -> str:
     return raw
 
 
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """False when offline mode is set or the hub's host cannot be reached quickly (no retries)."""
+    import os
+    import socket
+
+    if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def _from_hub(ds: NamedDataset, split: str) -> str:
     if ds.hub is None:
         raise DataError(f"dataset {ds.name!r} is not in the data directory {data_dir()}", "set LLMCOMPRESS_DATA_DIR to a folder holding it")
+    if not hub_reachable():
+        raise DataError(
+            f"dataset {ds.name!r} is not in {data_dir()} and the hub is unreachable",
+            "set LLMCOMPRESS_DATA_DIR to a folder holding it, or use --data self",
+        )
     try:
         import datasets
 

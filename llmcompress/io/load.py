@@ -103,7 +103,6 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llmcompress.io.atomic import atomic_dir
-
     from llmcompress.progress import bar
 
     with bar(f"converting {gguf.name} (once; cached)", total=3) as b:
