@@ -14,3 +14,4 @@ OutOpt = Annotated[Path, typer.Option("--out", help="Output directory (refused i
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --out.")]
+TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the checkpoint (off by default).")]

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import DeviceOpt, DtypeOpt, OverwriteOpt
+from llmcompress.cli._options import DeviceOpt, DtypeOpt, OverwriteOpt, TrustOpt
 
 
 def eval_command(
@@ -26,6 +26,7 @@ def eval_command(
     overwrite: OverwriteOpt = False,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "auto",
+    trust_remote_code: TrustOpt = False,
 ) -> None:
     """Evaluate models: perplexity, lm-evaluation-harness tasks, size and speed, in one table."""
     from llmcompress.errors import UserError
@@ -59,7 +60,7 @@ def eval_command(
     dev, _ = resolve_device(device)
     rows = []
     for m in models:
-        lm = load_model(m, dtype=resolve_dtype(dtype), device=dev)
+        lm = load_model(m, dtype=resolve_dtype(dtype), device=dev, trust_remote_code=trust_remote_code)
         rows.append(evaluate(lm, spec, path=m if Path(m).exists() else None))
         del lm
     if out is not None:

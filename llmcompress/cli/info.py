@@ -6,19 +6,20 @@ import json
 
 import typer
 
-from llmcompress.cli._options import DtypeOpt, ModelArg
+from llmcompress.cli._options import DtypeOpt, ModelArg, TrustOpt
 
 
 def info_command(
     model: ModelArg = "smollm2-135m",
     dtype: DtypeOpt = "float32",
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    trust_remote_code: TrustOpt = False,
 ) -> None:
     """Show an architecture summary: family, layers, hidden size, heads, KV heads, parameters, dtype."""
     from llmcompress.io.load import load_model
     from llmcompress.runtime import resolve_dtype
 
-    lm = load_model(model, dtype=resolve_dtype(dtype))
+    lm = load_model(model, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code)
     cfg = lm.model.config
     summary = {
         "model": model,
