@@ -1,12 +1,71 @@
-"""`llmcompress nas` (placeholder until its engine lands)."""
+"""`llmcompress nas`: joint differentiable architecture search and mixed-precision quantization."""
 
 from __future__ import annotations
 
+import enum
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
 
-from llmcompress.errors import UserError
+from llmcompress.cli._options import ModelArg, OverwriteOpt, ResumeOpt
 
 
-def nas_command(ctx: typer.Context) -> None:
-    """Not implemented yet."""
-    raise UserError("'llmcompress nas' is not implemented yet", "see the project's issues for its status")
+class Mode(str, enum.Enum):
+    joint = "joint"
+    sequential = "sequential"
+    uniform = "uniform"
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    from llmcompress.errors import UserError
+
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{what} must be comma-separated integers, got {text!r}", "e.g. --bits 2,3,4,8,16") from None
+
+
+def nas_command(
+    model: ModelArg = "smollm2-135m",
+    target_latency: Annotated[Optional[float], typer.Option("--target-latency", help="Modeled latency relative to dense (e.g. 0.6).")] = None,
+    target_size_mb: Annotated[Optional[float], typer.Option("--target-size-mb", help="Packed size in MB.")] = None,
+    target_bits: Annotated[Optional[float], typer.Option("--target-bits", help="Average bits per quantized weight.")] = None,
+    mode: Annotated[Optional[Mode], typer.Option("--mode", help="joint (default) | sequential | uniform.")] = None,
+    baselines: Annotated[Optional[str], typer.Option("--baselines", help="Extra modes for the report, e.g. sequential,uniform ('' for none).")] = None,
+    bits: Annotated[Optional[str], typer.Option("--bits", help="Bit widths to choose from (default 2,3,4,8,16).")] = None,
+    group_size: Annotated[Optional[int], typer.Option("--group-size", help="Quantization group size (default: 128 if it divides all widths, else 64...).")] = None,
+    cost_model: Annotated[Optional[str], typer.Option("--cost-model", help="analytic (bytes per decoded token, default) | lut (decode time measured here).")] = None,
+    train_tokens: Annotated[Optional[int], typer.Option("--train-tokens", help="Search tokens (default 16384).")] = None,
+    eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report (0 skips).")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed.")] = None,
+    spec: Annotated[Optional[Path], typer.Option("--spec", help="YAML search spec (CLI flags override its fields).")] = None,
+    resume: ResumeOpt = False,
+    overwrite: OverwriteOpt = False,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (refused if it exists, unless --overwrite/--resume).")] = None,
+) -> None:
+    """Search layer skips, MLP widths and per-layer bit widths under a latency/size/bits target; export packed + HF checkpoints."""
+    from llmcompress.errors import UserError
+    from llmcompress.nas.config import NasConfig, config_from_dict, load_spec
+
+    if out is None:
+        raise UserError("--out is required", "pass --out DIR")
+    cfg = load_spec(spec) if spec is not None else NasConfig()
+    overrides = {
+        "model": model, "target_latency": target_latency, "target_size_mb": target_size_mb, "target_bits": target_bits,
+        "mode": mode.value if mode else None, "group_size": group_size, "cost_model": cost_model,
+        "train_tokens": train_tokens, "eval_tokens": eval_tokens, "seed": seed,
+        "bits": _int_list(bits, "--bits") if bits is not None else None,
+        "baselines": [b.strip() for b in baselines.split(",") if b.strip()] if baselines is not None else None,
+    }
+    cfg = config_from_dict({k: v for k, v in overrides.items() if v is not None}, base=cfg)
+    cfg.validate()
+    from llmcompress.io.atomic import check_out_dir
+
+    check_out_dir(out, overwrite, resume)
+    from llmcompress.nas.pipeline import run_nas
+
+    run = run_nas(cfg, out, overwrite=overwrite, resume=resume)
+    a = run.arch
+    typer.echo(f"wrote {run.out_dir}: avg bits {a['avg_bits']:.2f}, modeled latency {a['modeled_latency']:.3f}, "
+               f"size {a['size_mb']:.1f} MB, packed on disk {a.get('packed_disk_mb', 0):.1f} MB")

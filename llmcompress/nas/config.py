@@ -1,0 +1,150 @@
+"""Typed configuration of a NAS run, loadable from a YAML search spec (unknown keys are errors)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from llmcompress.errors import UserError
+
+MODES = ("joint", "sequential", "uniform")
+COST_MODELS = ("lut", "analytic")
+Mode = Literal["joint", "sequential", "uniform"]
+
+
+@dataclass
+class NasConfig:
+    """Everything that decides a NAS run's result.
+
+    Attributes:
+        model: model spec (alias, HF directory, .gguf, hub id).
+        mode: joint (architecture and bits searched together), sequential (architecture searched in full
+            precision, then bits under the same budget), uniform (dense architecture, uniform RTN).
+        baselines: extra modes run in the same command for the report (their arch.json only).
+        target_latency: modeled latency relative to the dense model (e.g. 0.6).
+        target_size_mb: size of the packed weights in MB (10**6 bytes), embeddings included.
+        target_bits: average bits per quantized linear weight (nominal, scales excluded).
+        bits: bit widths a linear layer may take (each in 2..16).
+        group_size: quantization group along the input dimension; 0 = auto (128 if it divides every
+            searched width, else the largest power of two below it that does; 64 for smollm2-135m).
+        width_choices: MLP intermediate widths as fractions of the dense width (channels ranked by
+            importance, so a narrower choice is a prefix of a wider one).
+        allow_skip: a decoder layer may be skipped; min_keep_frac: fewest layers kept (fraction).
+        cost_model: lut (decode time per choice measured on this machine) or analytic (bytes moved per
+            decoded token). Both are relative to the dense float16 model.
+        context_len: KV-cache length assumed by the cost models.
+        train_tokens, seq_len, batch_size: search data (steps = train_tokens / (seq_len * batch_size)).
+        lr: Adam learning rate of the architecture logits; tau_start/tau_end: Gumbel temperature
+            (annealed exponentially); lam: penalty weight of max(0, cost / target - 1).
+        hidden_mse: weight of a final-hidden-state MSE next to the logit KL (0 = off).
+        checkpoint_every: steps between atomic search checkpoints (for --resume).
+        eval_tokens, eval_seq_len: WikiText-2 raw test tokens for the report's perplexity (0 skips).
+        measure_speed: measure CPU prefill/decode speed of the results.
+    """
+
+    model: str = "smollm2-135m"
+    mode: Mode = "joint"
+    baselines: list[str] = field(default_factory=lambda: ["uniform"])
+    target_latency: float | None = None
+    target_size_mb: float | None = None
+    target_bits: float | None = None
+    bits: list[int] = field(default_factory=lambda: [2, 3, 4, 8, 16])
+    group_size: int = 0
+    width_choices: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])
+    allow_skip: bool = True
+    min_keep_frac: float = 0.5
+    cost_model: Literal["lut", "analytic"] = "analytic"
+    context_len: int = 256
+    calib_source: str = "wikitext2"
+    calib_split: str = "valid"
+    train_tokens: int = 16384
+    seq_len: int = 128
+    batch_size: int = 4
+    lr: float = 0.05
+    tau_start: float = 4.0
+    tau_end: float = 0.3
+    lam: float = 20.0
+    hidden_mse: float = 0.0
+    checkpoint_every: int = 8
+    eval_tokens: int = 8192
+    eval_seq_len: int = 512
+    measure_speed: bool = True
+    seed: int = 0
+    version: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def steps(self) -> int:
+        return max(1, self.train_tokens // (self.seq_len * self.batch_size))
+
+    def targets(self) -> dict[str, float]:
+        t = {"latency": self.target_latency, "size_mb": self.target_size_mb, "bits": self.target_bits}
+        return {k: v for k, v in t.items() if v is not None}
+
+    def fingerprint(self) -> str:
+        """Hash of the fields that decide the search (a resume must match it)."""
+        skip = {"eval_tokens", "eval_seq_len", "measure_speed", "checkpoint_every", "baselines"}
+        d = {k: v for k, v in self.to_dict().items() if k not in skip}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def validate(self) -> None:
+        """Raise UserError on values that are wrong whatever the model (model checks: space.py)."""
+        if self.mode not in MODES:
+            raise UserError(f"unknown mode {self.mode!r}", f"use one of {', '.join(MODES)}")
+        for b in self.baselines:
+            if b not in MODES:
+                raise UserError(f"unknown baseline mode {b!r}", f"use any of {', '.join(MODES)}")
+        if not self.targets():
+            raise UserError("no target given", "pass --target-latency R, --target-size-mb M or --target-bits B")
+        bad = [b for b in self.bits if not (isinstance(b, int) and 2 <= b <= 16)]
+        if bad or not self.bits:
+            raise UserError(f"bit widths {bad or self.bits} are outside 2..16", "use e.g. --bits 2,3,4,8,16")
+        if self.target_latency is not None and not 0 < self.target_latency:
+            raise UserError(f"--target-latency must be positive, got {self.target_latency}", "e.g. 0.6 (relative to dense)")
+        if self.target_size_mb is not None and self.target_size_mb <= 0:
+            raise UserError(f"--target-size-mb must be positive, got {self.target_size_mb}", "e.g. --target-size-mb 60")
+        if self.target_bits is not None and not min(self.bits) <= self.target_bits <= 16:
+            raise UserError(
+                f"--target-bits {self.target_bits} is outside the reachable range {min(self.bits)}..{max(self.bits)}",
+                "choose a target between the smallest and largest of --bits",
+            )
+        if self.group_size < 0:
+            raise UserError(f"group size must be positive, got {self.group_size}", "e.g. --group-size 64")
+        if not self.width_choices or any(not 0 < w <= 1 for w in self.width_choices):
+            raise UserError(f"width choices {self.width_choices} must lie in (0, 1]", "e.g. [0.25, 0.5, 0.75, 1.0]")
+        if self.cost_model not in COST_MODELS:
+            raise UserError(f"unknown cost model {self.cost_model!r}", f"use one of {', '.join(COST_MODELS)}")
+        if self.train_tokens < self.seq_len * self.batch_size:
+            raise UserError(f"--train-tokens must be at least {self.seq_len * self.batch_size}", "one batch at least")
+        if not 0 < self.min_keep_frac <= 1:
+            raise UserError("min_keep_frac must lie in (0, 1]", "e.g. 0.5")
+
+
+def config_from_dict(d: dict[str, Any], base: NasConfig | None = None) -> NasConfig:
+    """A copy of `base` with the fields of `d` set; unknown keys are errors."""
+    names = {f.name for f in dataclasses.fields(NasConfig)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise UserError(f"unknown search-spec key(s): {', '.join(unknown)}", f"allowed keys: {', '.join(sorted(names))}")
+    return dataclasses.replace(base or NasConfig(), **d)
+
+
+def load_spec(path: Path) -> NasConfig:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"search spec {path} not found", "pass an existing YAML file to --spec")
+    try:
+        d = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"search spec {path} is not valid YAML: {str(exc).splitlines()[0]}", "fix the file") from None
+    if not isinstance(d, dict):
+        raise UserError(f"search spec {path} must be a mapping of keys to values", "see searches/nas-default.yaml")
+    return config_from_dict(d)

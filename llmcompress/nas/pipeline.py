@@ -1,0 +1,138 @@
+"""Orchestration of `llmcompress nas`: load, rank channels, cost models, search, derive, export, evaluate."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmcompress.nas.config import NasConfig
+
+log = logging.getLogger("llmcompress")
+
+
+@dataclass
+class NasRun:
+    out_dir: Path
+    arch: dict
+    rows: list[dict] = field(default_factory=list)
+
+
+def _blocks(tokenizer, cfg: NasConfig):
+    from llmcompress.data import calibration_blocks
+
+    n = cfg.steps * cfg.batch_size
+    blocks, _ = calibration_blocks(tokenizer, source=cfg.calib_source, split=cfg.calib_split, seq_len=cfg.seq_len,
+                                   n_blocks=n, seed=cfg.seed)
+    return blocks
+
+
+def _evaluate(model, tokenizer, cfg: NasConfig) -> dict:
+    out = {}
+    if cfg.eval_tokens > 0:
+        from llmcompress.eval.perplexity import perplexity
+
+        out["ppl"] = perplexity(model, tokenizer, "wikitext2", seq_len=cfg.eval_seq_len, max_tokens=cfg.eval_tokens)["ppl"]
+    if cfg.measure_speed:
+        from llmcompress.eval.speed import measure_speed
+
+        s = measure_speed(model, prompt_len=128, decode_tokens=16, repeats=2)
+        out.update(prefill_tokens_per_s=s["prefill_tokens_per_s"], decode_tokens_per_s=s["decode_tokens_per_s"])
+    return out
+
+
+def _row(name, space, result, extra) -> dict:
+    arch = result.arch
+    widths = [space.widths[w] for w, k in zip(arch.width, arch.keep) if k]
+    return {"name": name, "layers": sum(arch.keep), "mean_width": sum(widths) / max(len(widths), 1),
+            "avg_bits": result.metrics["bits"], "size_mb": result.metrics["size_mb"],
+            "modeled_latency": result.metrics["latency"], **extra}
+
+
+def _cost_models(model, space, cfg, out: Path, resume: bool):
+    from llmcompress.io.atomic import write_json
+    from llmcompress.nas.cost import build_cost_models
+
+    lut_path = out / "lut.json"
+    lut = json.loads(lut_path.read_text()) if (resume and cfg.cost_model == "lut" and lut_path.is_file()) else None
+    costs = build_cost_models(model, space, cfg.cost_model, cfg.context_len, lut)
+    if costs.lut is not None:
+        write_json(lut_path, costs.lut)
+    return costs
+
+
+def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool = False) -> NasRun:
+    """Run the search of `cfg.mode` (+ `cfg.baselines`) and write everything under `out`."""
+    from llmcompress.io.atomic import check_out_dir, write_json
+    from llmcompress.io.checkpoint import build_manifest
+    from llmcompress.io.load import load_model
+    from llmcompress.nas import export as E
+    from llmcompress.nas import search as S
+    from llmcompress.nas.report import write_report
+    from llmcompress.nas.space import build_space, mlp_channel_importance, permute_mlp_
+    from llmcompress.runtime import seed_everything
+
+    out = Path(out)
+    cfg.validate()
+    check_out_dir(out, overwrite, resume)
+    out.mkdir(parents=True, exist_ok=True)
+    if overwrite and not resume:
+        for p in [out / "search_log.jsonl", out / "lut.json", *out.glob("search_state_*.pt")]:
+            p.unlink(missing_ok=True)
+    seed_everything(cfg.seed)
+    lm = load_model(cfg.model)
+    teacher, tok = lm.model, lm.tokenizer
+    space = build_space(teacher, cfg)
+    costs = _cost_models(teacher, space, cfg, out, resume)
+    S.check_reachable(costs, cfg)
+    blocks = _blocks(tok, cfg)
+    imp = mlp_channel_importance(teacher, blocks[: min(8, len(blocks))])
+    permute_mlp_(teacher, [i.argsort(descending=True, stable=True) for i in imp])
+
+    rows = [{"name": "dense (float32)", "layers": space.n_layers, "mean_width": space.intermediate, "avg_bits": 16.0,
+             "size_mb": sum(p.numel() for p in teacher.parameters()) * 2 / 1e6, "modeled_latency": 1.0,
+             **_evaluate(teacher, tok, cfg)}]
+    notes: list[str] = []
+    modes = [cfg.mode] + [m for m in cfg.baselines if m != cfg.mode]
+    primary = None
+    summaries = {}
+    for mode in modes:
+        if mode == "joint":
+            res = S.search_joint(teacher, space, costs, cfg, blocks, out, resume)
+        elif mode == "sequential":
+            res = S.search_sequential(teacher, space, costs, cfg, blocks, out, resume)
+        else:
+            res = S.search_uniform(space, costs, cfg)
+        if res.note:
+            notes.append(f"{mode}: {res.note}")
+        model = E.derive_model(teacher, space, res.arch)
+        plan = E.plan_of(space, res.arch)
+        qweights = E.quantize_derived(model, plan)
+        evals = _evaluate(model, tok, cfg)
+        row = _row(mode + (" (RTN)" if mode == "uniform" else ""), space, res, evals)
+        rows.append(row)
+        summary = {"mode": mode, "avg_bits": res.metrics["bits"], "modeled_latency": res.metrics["latency"],
+                   "size_mb": res.metrics["size_mb"], "metrics": evals, "architecture": res.arch.to_dict(space),
+                   "plan": plan.to_dict()}
+        summaries[mode] = summary
+        if mode == cfg.mode:
+            manifest = build_manifest(source=cfg.model, source_hash=lm.source_hash, method=f"nas-{mode}", config=cfg.to_dict(),
+                                      metrics={**evals, **res.metrics}, extra={"plan": plan.to_dict()})
+            E.save_packed(model, tok, qweights, plan, out / "packed", manifest)
+            E.save_hf(model, tok, out / "hf", manifest, space.intermediate, overwrite=True)
+            from llmcompress.eval.speed import disk_bytes
+
+            summary["packed_disk_mb"] = disk_bytes(out / "packed") / 1e6
+            summary["hf_disk_mb"] = disk_bytes(out / "hf") / 1e6
+            primary = summary
+        else:
+            write_json(out / "baselines" / f"{mode}.json", summary)
+        del model, qweights
+    arch = {**primary, "cost_model": cfg.cost_model, "targets": cfg.targets(), "group_size": space.group_size,
+            "bits_choices": space.bits, "mlp_widths_choices": space.widths, "config": cfg.to_dict(),
+            "baselines": {m: {k: v for k, v in s.items() if k not in ("plan",)} for m, s in summaries.items() if m != cfg.mode},
+            "dense": rows[0]}
+    write_json(out / "arch.json", arch)
+    write_report(out / "report.md", rows, cfg, costs.lut, notes)
+    return NasRun(out, arch, rows)

@@ -1,0 +1,42 @@
+"""report.md: dense and each searched/baseline result side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _fmt(v, spec=".3f"):
+    return "—" if v is None else format(v, spec)
+
+
+def render(rows: list[dict], cfg, lut: dict | None, notes: list[str]) -> str:
+    lines = [
+        "# llmcompress nas report",
+        "",
+        f"Model `{cfg.model}`, cost model `{cfg.cost_model}`, targets {cfg.targets()}, bits {cfg.bits}, "
+        f"train tokens {cfg.train_tokens} (seq {cfg.seq_len}), eval: WikiText-2 raw test, first {cfg.eval_tokens} tokens at {cfg.eval_seq_len}.",
+        "",
+        "| result | layers | MLP width (mean) | avg bits | size MB | modeled latency | ppl | prefill tok/s | decode tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {r.get('layers', '—')} | {_fmt(r.get('mean_width'), '.0f')} | {_fmt(r.get('avg_bits'), '.2f')} | "
+            f"{_fmt(r.get('size_mb'), '.1f')} | {_fmt(r.get('modeled_latency'))} | {_fmt(r.get('ppl'), '.2f')} | "
+            f"{_fmt(r.get('prefill_tokens_per_s'), '.0f')} | {_fmt(r.get('decode_tokens_per_s'), '.1f')} |"
+        )
+    lines += ["", "Size MB counts the packed weights (ints + float16 scales + packed zeros; embeddings and norms in float16).",
+              "Modeled latency is relative to the dense float16 model under the chosen cost model; measured speeds run "
+              "dequantized float32 weights on this CPU (no low-bit kernels), so they reflect structure only."]
+    if lut:
+        lines += ["", f"Latency table: dense decode {lut['t_full'] * 1e3:.1f} ms/token at context {lut['context_len']}, "
+                      f"{lut['per_layer'] * 1e3:.2f} ms per layer, {lut['threads']} threads."]
+    if notes:
+        lines += ["", "Notes:", *[f"- {n}" for n in notes]]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(path: Path, rows, cfg, lut, notes) -> None:
+    from llmcompress.io.atomic import write_text
+
+    write_text(path, render(rows, cfg, lut, notes))

@@ -1,0 +1,200 @@
+"""The differentiable search loop (with atomic checkpoints for --resume) and the three modes.
+
+loss = KL(teacher || student) over next-token distributions [+ hidden_mse * MSE of final hidden states]
+       + lam * sum_t max(0, E[cost_t] / target_t - 1)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from llmcompress.io.atomic import append_jsonl
+from llmcompress.nas.config import NasConfig
+from llmcompress.nas.cost import CostModels
+from llmcompress.nas.space import Arch, SearchSpace, argmax_arch, repair
+from llmcompress.nas.supernet import Supernet
+
+
+@dataclass
+class SearchResult:
+    mode: str
+    arch: Arch
+    metrics: dict[str, float]
+    logits: dict[str, torch.Tensor] | None = None
+    note: str = ""
+
+
+def tau_at(cfg: NasConfig, step: int, steps: int) -> float:
+    """Exponential annealing from tau_start to tau_end."""
+    frac = step / max(steps - 1, 1)
+    return cfg.tau_start * (cfg.tau_end / cfg.tau_start) ** frac
+
+
+def _save_state(path: Path, state: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def distill_loss(t_out, s_out, hidden_mse: float) -> torch.Tensor:
+    t_logp = F.log_softmax(t_out.logits.float(), -1)
+    s_logp = F.log_softmax(s_out.logits.float(), -1)
+    loss = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()
+    if hidden_mse > 0:
+        th, sh = t_out.hidden_states[-1], s_out.hidden_states[-1]
+        loss = loss + hidden_mse * (sh - th).pow(2).mean() / th.pow(2).mean().clamp(min=1e-8)
+    return loss
+
+
+def run_stage(
+    model, net: Supernet, costs: CostModels, cfg: NasConfig, blocks: torch.Tensor, out: Path, stage: str, resume: bool
+) -> dict[str, torch.Tensor]:
+    """Train the supernet's learnable logits for cfg.steps steps; returns the final logits."""
+    from llmcompress.progress import bar
+
+    steps, targets = cfg.steps, cfg.targets()
+    opt = torch.optim.Adam(net.trainable(), lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed + 17)
+    state_path = out / f"search_state_{stage}.pt"
+    log_path = out / "search_log.jsonl"
+    start = 0
+    if resume and state_path.is_file():
+        st = torch.load(state_path, weights_only=False)
+        if st["fingerprint"] != cfg.fingerprint():
+            from llmcompress.errors import UserError
+
+            raise UserError(f"{out} holds a search with different settings", "use the same settings, or a new --out")
+        net.load_state_dict(st["net"], strict=False)
+        opt.load_state_dict(st["opt"])
+        gen.set_state(st["gen"])
+        start = st["step"]
+    order = torch.randperm(steps * cfg.batch_size, generator=torch.Generator().manual_seed(cfg.seed)) % len(blocks)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    net.install()
+    try:
+        with bar(f"search ({stage})", total=steps) as b:
+            b.update(completed=start)
+            for step in range(start, steps):
+                tau = tau_at(cfg, step, steps)
+                batch = blocks[order[step * cfg.batch_size : (step + 1) * cfg.batch_size]]
+                with torch.no_grad():
+                    t_out = model(input_ids=batch, use_cache=False, output_hidden_states=cfg.hidden_mse > 0)
+                net.sample(tau, gen)
+                with net.student():
+                    s_out = model(input_ids=batch, use_cache=False, output_hidden_states=cfg.hidden_mse > 0)
+                kl = distill_loss(t_out, s_out, cfg.hidden_mse)
+                exp = expected_costs(net, costs)
+                pen = sum(torch.relu(exp[k] / t - 1.0) for k, t in targets.items())
+                loss = kl + cfg.lam * pen
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                rec = {"stage": stage, "step": step + 1, "tau": round(tau, 4), "kl": float(kl.detach()), "penalty": float(pen.detach() if torch.is_tensor(pen) else pen),
+                       **{f"exp_{k}": float(v.detach()) for k, v in exp.items()}}
+                append_jsonl(log_path, rec)
+                b.advance(info=f"kl={rec['kl']:.3f} lat={rec['exp_latency']:.2f} bits={rec['exp_bits']:.2f}")
+                if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
+                    _save_state(state_path, {"net": net.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                                             "step": step + 1, "fingerprint": cfg.fingerprint()})
+    finally:
+        net.remove()
+    return net.logits()
+
+
+def expected_costs(net: Supernet, costs: CostModels) -> dict[str, torch.Tensor]:
+    p = net.probs()
+    p_keep = p["keep"][:, 1] if net.space.allow_skip else torch.ones(net.space.n_layers)
+    return costs.expected(p_keep, p["width"], p["bits"])
+
+
+def _finish(mode, space, costs, cfg, logits, arch=None) -> SearchResult:
+    arch = arch or argmax_arch(space, logits)
+    arch = repair(space, arch, logits, costs, cfg.targets())
+    return SearchResult(mode, arch, costs.metrics(arch), logits)
+
+
+def search_joint(model, space, costs, cfg, blocks, out, resume) -> SearchResult:
+    net = Supernet(model, space)
+    logits = run_stage(model, net, costs, cfg, blocks, out, "joint", resume)
+    return _finish("joint", space, costs, cfg, logits)
+
+
+def search_sequential(model, space, costs, cfg, blocks, out, resume) -> SearchResult:
+    """NAS in full precision (bits pinned to the widest), then bits searched on the fixed architecture,
+    each stage with half the steps (equal total compute to joint)."""
+    import dataclasses
+
+    half = dataclasses.replace(cfg, train_tokens=max(cfg.train_tokens // 2, cfg.seq_len * cfg.batch_size))
+    net = Supernet(model, space)
+    net.fix(Arch.dense(space), {"bits"})
+    arch_targets = {k: v for k, v in cfg.targets().items() if k != "bits"}
+    stage1_cfg = dataclasses.replace(half, target_bits=None) if arch_targets else half
+    if not arch_targets:  # only a bits target: the full-precision architecture search has no budget
+        logits1 = net.logits()
+    else:
+        logits1 = run_stage(model, net, costs, stage1_cfg, blocks, out, "sequential-arch", resume)
+    arch = argmax_arch(space, logits1)
+    # stage 1 alone must meet the latency/size targets at full precision when it can
+    arch = _repair_or_keep(space, arch, logits1, costs, arch_targets)
+    net.fix(arch, {"keep", "width"})
+    net.learn = {"bits"}
+    with torch.no_grad():
+        net.bits.zero_()
+    logits2 = run_stage(model, net, costs, half, blocks, out, "sequential-bits", resume)
+    arch.bits = argmax_arch(space, logits2).bits
+    return _finish("sequential", space, costs, cfg, logits2, arch)
+
+
+def _repair_or_keep(space, arch, logits, costs, targets):
+    from llmcompress.errors import UserError
+
+    try:
+        return repair(space, arch, logits, costs, targets)
+    except UserError:
+        return arch  # unreachable at full precision: bits must help in stage 2
+
+
+def search_uniform(space: SearchSpace, costs: CostModels, cfg: NasConfig) -> SearchResult:
+    """Dense architecture, one bit width everywhere: the widest that meets the size/bits targets."""
+    targets = {k: v for k, v in cfg.targets().items() if not (k == "latency" and costs.kind == "lut")}
+    for bi in reversed(range(len(space.bits))):
+        arch = Arch.dense(space, bi)
+        m = costs.metrics(arch)
+        if all(m[k] <= t + 1e-9 for k, t in targets.items()):
+            break
+    note = ""
+    if "latency" in cfg.targets() and m["latency"] > cfg.targets()["latency"] + 1e-9:
+        note = f"the dense architecture cannot reach latency {cfg.targets()['latency']} ({m['latency']:.3f})"
+    return SearchResult("uniform", arch, m, None, note)
+
+
+def check_reachable(costs: CostModels, cfg: NasConfig) -> None:
+    """UserError naming the first target below what the space can reach."""
+    from llmcompress.errors import UserError
+
+    low = costs.minimum()
+    names = {"latency": "--target-latency", "size_mb": "--target-size-mb", "bits": "--target-bits"}
+    for k, t in cfg.targets().items():
+        if t < low[k] - 1e-9:
+            raise UserError(
+                f"{names[k]} {t} is below what the search space reaches (minimum {low[k]:.4g})",
+                f"use {names[k]} {math.ceil(low[k] * 1000) / 1000} or more",
+            )
+
+
+def logits_to_json(logits) -> dict:
+    return {k: v.tolist() for k, v in logits.items()} if logits else {}
+
+
+def dump(obj) -> str:
+    return json.dumps(obj)

@@ -1,0 +1,165 @@
+"""A supernet over the teacher's own (frozen) weights: Gumbel-softmax mixtures of the choices.
+
+* bits: each linear's weight becomes sum_b g_b * Q_b(W), where Q_b is group-wise RTN at b bits
+  (precomputed once: the weights are shared with the teacher and frozen, so Q_b(W) does not change;
+  mixing weights is exact for a linear map and costs one matmul instead of one per choice).
+* width: the input of `down_proj` is multiplied by sum_k g_k * prefix_mask_k (channels are ranked, so
+  width k keeps the first widths[k] channels).
+* skip: the layer output becomes h + g_keep * (layer(h) - h).
+
+With `teacher()` active the patched modules run the original weights: one model serves as teacher and
+student. Only the architecture logits are trained.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from llmcompress.io.adapters import get_adapter
+from llmcompress.nas.space import Arch, SearchSpace
+from llmcompress.quant.primitives import quantize_dequantize
+
+
+def one_hot_logits(n: int, idx: int, scale: float = 30.0) -> torch.Tensor:
+    t = torch.full((n,), -scale)
+    t[idx] = scale
+    return t
+
+
+class Supernet(nn.Module):
+    """Architecture logits plus the hooks that make `model` compute the sampled mixture.
+
+    Args:
+        model: the teacher (its MLP channels already ranked; see space.permute_mlp_).
+        space: the search space.
+        learn: which logit groups are trained ({"keep", "width", "bits"}); others stay as initialised.
+    """
+
+    def __init__(self, model, space: SearchSpace, learn: set[str] | None = None) -> None:
+        super().__init__()
+        L, nl, nb, K = space.n_layers, len(space.linears), len(space.bits), len(space.widths)
+        self.space, self.learn = space, set(learn or {"keep", "width", "bits"})
+        self.keep = nn.Parameter(torch.tensor([[0.0, 3.0]]).repeat(L, 1))  # start near "keep"
+        self.width = nn.Parameter(torch.zeros(L, K))
+        self.bits = nn.Parameter(torch.zeros(L, nl, nb))
+        self._model = [model]  # not a submodule: its weights are not ours
+        self._handles: list = []
+        self._qweights: dict[tuple[int, int], torch.Tensor] = {}
+        self._sample: dict[str, torch.Tensor] | None = None
+        self.active = False
+        self._prepare()
+
+    # ---- setup -------------------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        from llmcompress.progress import track
+
+        model, s = self._model[0], self.space
+        layers = get_adapter(model).decoder_layers(model)
+        for i in track(range(s.n_layers), "preparing supernet (fake-quant weights)", total=s.n_layers):
+            mods = dict(layers[i].named_modules())
+            for j, name in enumerate(s.linears):
+                W = mods[name].weight.detach()
+                self._qweights[(i, j)] = torch.stack([quantize_dequantize(W, b, s.group_size) for b in s.bits])
+        widths = torch.tensor(s.widths)
+        self.register_buffer("masks", (torch.arange(s.intermediate)[None, :] < widths[:, None]).float(), persistent=False)
+
+    def fix(self, arch: Arch, groups: set[str]) -> None:
+        """Pin the named logit groups to `arch`'s choices (and stop learning them)."""
+        s = self.space
+        with torch.no_grad():
+            for i in range(s.n_layers):
+                if "keep" in groups:
+                    self.keep[i] = one_hot_logits(2, int(arch.keep[i]))
+                if "width" in groups:
+                    self.width[i] = one_hot_logits(len(s.widths), arch.width[i])
+                if "bits" in groups:
+                    for j in range(len(s.linears)):
+                        self.bits[i, j] = one_hot_logits(len(s.bits), arch.bits[i][j])
+        self.learn -= groups
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [getattr(self, g) for g in ("keep", "width", "bits") if g in self.learn]
+
+    # ---- hooks -------------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        model, s = self._model[0], self.space
+        layers = get_adapter(model).decoder_layers(model)
+        for i, layer in enumerate(layers):
+            mods = dict(layer.named_modules())
+            for j, name in enumerate(s.linears):
+                lin = mods[name]
+                lin.forward = self._linear_forward(lin, i, j)
+                self._handles.append(("forward", lin))
+            self._handles.append(layer.mlp.down_proj.register_forward_pre_hook(self._width_hook(i)))
+            if s.allow_skip:
+                self._handles.append(layer.register_forward_hook(self._skip_hook(i), with_kwargs=True))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            if isinstance(h, tuple):
+                del h[1].forward  # back to the class's forward
+            else:
+                h.remove()
+        self._handles = []
+
+    def _linear_forward(self, lin: nn.Linear, i: int, j: int):
+        def forward(x):
+            if not self.active:
+                return F.linear(x, lin.weight, lin.bias)
+            g = self._sample["bits"][i, j]  # (nb,)
+            W = torch.einsum("b,boi->oi", g, self._qweights[(i, j)])
+            return F.linear(x, W, lin.bias)
+
+        return forward
+
+    def _width_hook(self, i: int):
+        def pre(mod, args):
+            if not self.active:
+                return None
+            m = self._sample["width"][i] @ self.masks  # (I,)
+            return (args[0] * m,)
+
+        return pre
+
+    def _skip_hook(self, i: int):
+        def post(mod, args, kwargs, out):
+            if not self.active:
+                return None
+            h = args[0] if args else kwargs["hidden_states"]
+            y = out[0] if isinstance(out, tuple) else out
+            g = self._sample["keep"][i, 1]
+            y = h + g * (y - h)
+            return (y, *out[1:]) if isinstance(out, tuple) else y
+
+        return post
+
+    # ---- sampling ----------------------------------------------------------------------------------
+
+    def probs(self) -> dict[str, torch.Tensor]:
+        return {"keep": self.keep.softmax(-1), "width": self.width.softmax(-1), "bits": self.bits.softmax(-1)}
+
+    def sample(self, tau: float, generator: torch.Generator | None = None) -> None:
+        """Draw one Gumbel-softmax relaxation of every choice (used by the next student forwards)."""
+
+        def gs(logits):
+            u = torch.rand(logits.shape, generator=generator).clamp(1e-9, 1 - 1e-9)
+            return ((logits - torch.log(-torch.log(u))) / tau).softmax(-1)
+
+        self._sample = {g: (gs(getattr(self, g)) if g in self.learn else getattr(self, g).softmax(-1)) for g in ("keep", "width", "bits")}
+
+    def logits(self) -> dict[str, torch.Tensor]:
+        return {"keep": self.keep.detach().clone(), "width": self.width.detach().clone(), "bits": self.bits.detach().clone()}
+
+    @contextmanager
+    def student(self):
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False

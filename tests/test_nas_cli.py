@@ -1,0 +1,75 @@
+"""`llmcompress nas` on the command line: bad input is one line and exit 2; a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "LLMCOMPRESS_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+
+
+def nas(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "llmcompress", "nas", *map(str, args)], capture_output=True, text=True,
+                          env=ENV, timeout=timeout)
+
+
+def _one_line_error(r, needle):
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+
+
+def test_help():
+    r = nas("--help")
+    assert r.returncode == 0 and "--target-latency" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--target-bits", "4", "--bits", "1,4"], "outside 2..16"),
+        (["--target-bits", "4", "--group-size", "48"], "does not divide"),
+        (["--target-latency", "0.01"], "--target-latency 0.01 is below"),
+    ],
+)
+def test_bad_inputs_exit_2_one_line(tiny_hf_dir, tmp_path, args, needle):
+    _one_line_error(nas(tiny_hf_dir, *args, "--out", tmp_path / "o"), needle)
+
+
+def test_existing_out_and_bad_spec(tiny_hf_dir, tmp_path):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "x").write_text("x")
+    _one_line_error(nas(tiny_hf_dir, "--target-bits", "4", "--out", tmp_path / "o"), "already exists")
+    spec = tmp_path / "s.yaml"
+    spec.write_text("target_bits: 4\nfoo: 1\n")
+    _one_line_error(nas(tiny_hf_dir, "--spec", spec, "--out", tmp_path / "p"), "unknown search-spec key(s): foo")
+
+
+def test_tiny_end_to_end(tiny_hf_dir, tmp_path):
+    from llmcompress.io.load import load_model
+    from llmcompress.nas.packed import load_packed
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text("seq_len: 32\nbatch_size: 2\ncontext_len: 32\neval_seq_len: 64\ncheckpoint_every: 1\n")
+    out = tmp_path / "run"
+    r = nas(tiny_hf_dir, "--spec", spec, "--target-latency", "0.7", "--target-bits", "4", "--train-tokens", "128",
+            "--eval-tokens", "256", "--baselines", "uniform", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    arch = json.loads((out / "arch.json").read_text())
+    assert arch["avg_bits"] <= 4.0 + 1e-9 and arch["modeled_latency"] <= 0.7 + 1e-9 and arch["size_mb"] > 0
+    assert (out / "search_log.jsonl").read_text().count("\n") == 2
+    assert "uniform" in arch["baselines"] and "| joint |" in (out / "report.md").read_text()
+    hf = load_model(str(out / "hf"))
+    assert hf.manifest["method"] == "nas-joint"
+    packed, tok = load_packed(out / "packed")
+    assert packed.config.num_hidden_layers == arch["architecture"]["kept"]
+    # resume of a finished run redoes nothing in the search and rewrites the same architecture
+    r2 = nas(tiny_hf_dir, "--spec", spec, "--target-latency", "0.7", "--target-bits", "4", "--train-tokens", "128",
+             "--eval-tokens", "0", "--baselines", "", "--out", out, "--resume")
+    assert r2.returncode == 0, r2.stderr[-2000:]
+    assert json.loads((out / "arch.json").read_text())["architecture"] == arch["architecture"]
+    assert (out / "search_log.jsonl").read_text().count("\n") == 2
