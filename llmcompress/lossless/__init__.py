@@ -1,0 +1,1 @@
+"""Lossless compression of checkpoints (ZipCCL exponent coding)."""
