@@ -1,15 +1,77 @@
-"""placeholder"""
+"""`llmcompress collapse`: evolutionary layer collapse (GeLaCo) with a Pareto front, plus ShortGPT/LaCo baselines."""
 
 from __future__ import annotations
 
+import enum
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
 
-from llmcompress.errors import UserError
+from llmcompress.cli._options import ModelArg, OverwriteOpt, ResumeOpt
 
 
-def collapse_command(ctx: typer.Context) -> None:
-    """Not implemented yet."""
-    raise UserError("not implemented yet", "see the project's issues for its status")
+class Method(str, enum.Enum):
+    gelaco = "gelaco"
+    shortgpt = "shortgpt"
+    laco = "laco"
+    drop_search = "drop-search"
 
 
-zip_command = unzip_command = collapse_command
+def collapse_command(
+    model: ModelArg = "smollm2-135m",
+    pareto: Annotated[bool, typer.Option("--pareto", help="Search a Pareto front of (layers, KL) with NSGA-II.")] = False,
+    target_layers: Annotated[Optional[int], typer.Option("--target-layers", help="Single-objective: keep exactly N layers.")] = None,
+    ratio: Annotated[Optional[float], typer.Option("--ratio", help="Single-objective: keep this fraction of the layers.")] = None,
+    method: Annotated[Optional[str], typer.Option("--method", help="gelaco | shortgpt | laco | drop-search (default gelaco).")] = None,
+    population: Annotated[Optional[int], typer.Option("--population", help="Population size.")] = None,
+    generations: Annotated[Optional[int], typer.Option("--generations", help="Generations after the initial population.")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed (same seed, same front).")] = None,
+    save: Annotated[Optional[str], typer.Option("--save", help="Checkpoints to write: knee | all | LAYERS[,LAYERS].")] = None,
+    spec: Annotated[Optional[Path], typer.Option("--spec", help="YAML search spec (CLI flags override its fields).")] = None,
+    calib_tokens: Annotated[Optional[int], typer.Option("--calib-tokens", help="Calibration tokens.")] = None,
+    val_tokens: Annotated[Optional[int], typer.Option("--val-tokens", help="Validation tokens (never optimized on).")] = None,
+    calib_data: Annotated[Optional[str], typer.Option("--calib-data", help="Calibration source: wikitext2, a file, or self.")] = None,
+    eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report (0 skips).")] = None,
+    piqa_limit: Annotated[Optional[int], typer.Option("--piqa-limit", help="PIQA examples for the report (0 skips).")] = None,
+    max_cache_gb: Annotated[Optional[float], typer.Option("--max-cache-gb", help="Memory for cached states; beyond it they go to disk.")] = None,
+    resume: ResumeOpt = False,
+    overwrite: OverwriteOpt = False,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (default ./runs/collapse-<timestamp>).")] = None,
+) -> None:
+    """Collapse decoder layers by evolutionary search and save ready checkpoints of the chosen solutions."""
+    import time
+
+    from llmcompress.collapse.config import METHODS, CollapseConfig, config_from_dict, load_spec
+    from llmcompress.errors import UserError
+
+    cfg = load_spec(spec) if spec is not None else CollapseConfig()
+    modes = [m for m in (pareto, target_layers is not None, ratio is not None) if m]
+    if len(modes) > 1:
+        raise UserError("--pareto, --target-layers and --ratio exclude each other", "pass one of them")
+    if method is not None and method not in METHODS:
+        raise UserError(f"unknown method {method!r}", f"use one of {', '.join(METHODS)}")
+    overrides = {
+        "model": model, "method": method, "population": population, "generations": generations, "seed": seed,
+        "save": save, "calib_tokens": calib_tokens, "val_tokens": val_tokens, "calib_source": calib_data,
+        "eval_tokens": eval_tokens, "piqa_limit": piqa_limit, "max_cache_gb": max_cache_gb,
+    }
+    if pareto:
+        overrides.update(pareto=True, target_layers=None, ratio=None)
+    elif target_layers is not None:
+        overrides.update(pareto=False, target_layers=target_layers, ratio=None)
+    elif ratio is not None:
+        overrides.update(pareto=False, ratio=ratio, target_layers=None)
+    cfg = config_from_dict({k: v for k, v in overrides.items() if v is not None}, base=cfg)
+    cfg.validate()
+    if out is None:
+        if resume:
+            raise UserError("--resume needs the --out directory of the interrupted run", "pass --out DIR")
+        out = Path("runs") / f"collapse-{time.strftime('%Y%m%d-%H%M%S')}"
+
+    from llmcompress.collapse.pipeline import run_collapse
+
+    result = run_collapse(cfg, out, overwrite=overwrite, resume=resume)
+    typer.echo(f"wrote {result.out_dir}: {len(result.front)} solution(s) on the front, {len(result.saved)} checkpoint(s)")
+    for path in result.saved:
+        typer.echo(f"  {path}")

@@ -1,0 +1,111 @@
+"""Benchmark: ShortGPT, LaCo, drop-search and GeLaCo at 26/22/18 layers on smollm2-135m, side by side.
+
+    LLMCOMPRESS_DATA_DIR=/work/shared/data LLMCOMPRESS_PROGRESS=0 python bench/bench_collapse.py \
+        [--calib-tokens 4096 --val-tokens 2048 --population 8 --generations 4 --ppl-tokens 32768 --shakespeare-tokens 8192]
+
+Writes bench/RESULTS-collapse.md. Searches run once each in Pareto mode (NSGA-II, 18..29 layers); the
+solution reported at each budget is the best on calibration re-ranked by validation (never optimized on).
+Perplexity: WikiText-2 raw test (first --ppl-tokens tokens) and tinyshakespeare valid, both at seq-len 512.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+BUDGETS = (26, 22, 18)
+
+
+def evals_per_second(ev, cands, use_prefix: bool) -> float:
+    ev.use_prefix = use_prefix
+    ev.memo.clear()
+    t0 = time.perf_counter()
+    for c in cands:
+        ev.evaluate(c)
+    ev.use_prefix = True
+    ev.memo.clear()
+    return len(cands) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calib-tokens", type=int, default=4096)
+    ap.add_argument("--val-tokens", type=int, default=2048)
+    ap.add_argument("--population", type=int, default=8)
+    ap.add_argument("--generations", type=int, default=4)
+    ap.add_argument("--ppl-tokens", type=int, default=32768)
+    ap.add_argument("--shakespeare-tokens", type=int, default=8192)
+    ap.add_argument("--out", type=Path, default=Path("bench/RESULTS-collapse.md"))
+    args = ap.parse_args()
+
+    import tempfile
+
+    from llmcompress.collapse import baselines as B
+    from llmcompress.collapse.config import CollapseConfig
+    from llmcompress.collapse.export import build_model
+    from llmcompress.collapse.pipeline import prepare
+    from llmcompress.collapse.search import run_search, select_by_validation
+    from llmcompress.eval.perplexity import perplexity
+    from llmcompress.io.load import load_model
+
+    t_all = time.perf_counter()
+    lm = load_model("smollm2-135m")
+    cfg = CollapseConfig(calib_tokens=args.calib_tokens, val_tokens=args.val_tokens, population=args.population,
+                         generations=args.generations, min_layers=min(BUDGETS))
+    ev = prepare(cfg, lm)
+    scores = B.shortgpt_scores(ev)
+    found = {"shortgpt": {n: B.shortgpt(ev, n, scores) for n in BUDGETS}}
+    laco_path = B.laco(ev, min(BUDGETS), threshold=cfg.laco_threshold, n_blocks=cfg.laco_blocks)
+    found["laco"] = {n: laco_path[n] for n in BUDGETS if n in laco_path}
+    speed = {
+        "with prefix cache": evals_per_second(ev, list(found["shortgpt"].values()), True),
+        "without (full forward)": evals_per_second(ev, list(found["shortgpt"].values()), False),
+    }
+    seeds = list(found["shortgpt"].values()) + list(found["laco"].values())
+    wall = {}
+    for method in ("drop-search", "gelaco"):
+        mcfg = dataclasses.replace(cfg, method=method)
+        ms = [s for s in seeds if method == "gelaco" or all(a == 0.0 for g in s.alphas for t in g for a in t)]
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as d:
+            run_search(mcfg, ev, ms, Path(d), model_id="smollm2-135m")
+        picks = {c.n_layers: c for c, _, _ in select_by_validation(ev, min(BUDGETS), max(BUDGETS))}
+        wall[method] = time.perf_counter() - t0
+        found[method] = {n: picks[n] for n in BUDGETS if n in picks}
+
+    def ppl(model):
+        w = perplexity(model, lm.tokenizer, "wikitext2", seq_len=512, max_tokens=args.ppl_tokens)["ppl"]
+        s = perplexity(model, lm.tokenizer, "tinyshakespeare", split="valid", seq_len=512, max_tokens=args.shakespeare_tokens)["ppl"]
+        return w, s
+
+    rows = [("dense", 30, *ppl(lm.model), 0.0, 0.0, "original")]
+    for method, per in found.items():
+        for n in BUDGETS:
+            if n in per:
+                c = per[n]
+                rows.append((method, n, *ppl(build_model(lm.model, c)), ev.evaluate(c).kl, ev.evaluate(c, "val").kl, c.describe()))
+    total = time.perf_counter() - t_all
+    lines = [
+        "# Collapse benchmark (smollm2-135m, 30 layers)",
+        "",
+        f"Settings: calibration {args.calib_tokens} tokens / validation {args.val_tokens} tokens of detokenized WikiText-2 valid "
+        f"(seq 256, disjoint blocks); population {args.population}, generations {args.generations}, NSGA-II over 18..29 layers; "
+        f"perplexity on the first {args.ppl_tokens} tokens of WikiText-2 raw test and {args.shakespeare_tokens} tokens of "
+        "tinyshakespeare valid, seq-len 512. 2 shared CPU cores.",
+        "",
+        "| method | layers | WikiText-2 ppl | tinyshakespeare ppl | KL calib | KL val | changes |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    lines += [f"| {m} | {n} | {w:.2f} | {s:.2f} | {kc:.3f} | {kv:.3f} | {d} |" for m, n, w, s, kc, kv, d in rows]
+    lines += ["", "Search wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()),
+              "Fitness evaluations per second: " + ", ".join(f"{k} {v:.3f}" for k, v in speed.items())
+              + f" ({speed['with prefix cache'] / speed['without (full forward)']:.2f}x)",
+              f"Total benchmark time: {total:.0f} s", ""]
+    args.out.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

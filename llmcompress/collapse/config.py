@@ -1,0 +1,177 @@
+"""Typed configuration of a collapse run, loadable from a YAML search spec (unknown keys are errors)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from llmcompress.errors import UserError
+
+METHODS = ("gelaco", "shortgpt", "laco", "drop-search")
+Method = Literal["gelaco", "shortgpt", "laco", "drop-search"]
+KINDS = ("attention", "mlp", "norm")  # merge-coefficient kinds; "other" parameters follow "mlp"
+
+
+@dataclass
+class CollapseConfig:
+    """Everything that decides a collapse run's result (the output directory and progress do not).
+
+    Attributes:
+        model: model spec (alias, HF directory, .gguf, hub id).
+        method: gelaco (partition + free merge coefficients), drop-search (same search, alpha fixed to 0),
+            shortgpt (drop lowest Block Influence), laco (greedy RDSC merging of adjacent layers).
+        pareto: multi-objective mode (NSGA-II over layers and KL); else single-objective at `target_layers`.
+        target_layers / ratio: layer budget of single-objective mode (ratio = fraction of layers kept).
+        min_layers: smallest layer count on the Pareto front (default: half the depth).
+        population, generations, seed: search size and seed (generations after the initial population).
+        calib_*: calibration data; the validation split is disjoint (same seed, next blocks).
+        kl_topk: how many of the original's top log-probabilities are cached per position for the KL.
+        kl_stride: score the KL at every `kl_stride`-th position (the head is the costliest layer).
+        sim_blocks: calibration blocks used for the residual-update similarity (memoized per group).
+        w_kl, w_sim: fitness = w_kl * KL + w_sim * (1 - similarity).
+        alpha_grid: values a merge coefficient may take (must include 0 and 1: endpoints drop/replace).
+        alpha_per_kind: one coefficient per module kind (attention, mlp, norm) instead of one per layer.
+        p_cut_move, p_cut_flip, p_alpha, p_crossover: mutation and crossover rates.
+        max_group: largest number of original layers merged into one.
+        protect_first / protect_last: keep the first / last N layers as they are.
+        baselines: baselines computed (and seeded into the population) in a gelaco/drop-search run.
+        laco_threshold: LaCo's representation-similarity acceptance threshold; laco_blocks: its data size.
+        max_cache_gb: memory budget for cached boundary states (beyond it they go to disk).
+        batch_blocks: calibration blocks per forward.
+        save: which solutions get checkpoints: knee | all | comma-separated layer counts.
+        eval_tokens / eval_seq_len: WikiText-2 test tokens for the report's perplexity (0 skips it).
+        piqa_limit: PIQA examples in the report (0 skips it).
+    """
+
+    model: str = "smollm2-135m"
+    method: Method = "gelaco"
+    pareto: bool = True
+    target_layers: int | None = None
+    ratio: float | None = None
+    min_layers: int | None = None
+    population: int = 8
+    generations: int = 4
+    seed: int = 0
+    calib_source: str = "wikitext2"
+    calib_split: str = "valid"
+    seq_len: int = 256
+    calib_tokens: int = 2048
+    val_tokens: int = 1024
+    kl_topk: int = 64
+    kl_stride: int = 4
+    sim_blocks: int = 1
+    w_kl: float = 1.0
+    w_sim: float = 0.1
+    alpha_grid: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    alpha_per_kind: bool = True
+    p_cut_move: float = 0.8
+    p_cut_flip: float = 0.3
+    p_alpha: float = 0.05
+    p_crossover: float = 0.7
+    max_group: int = 4
+    protect_first: int = 1
+    protect_last: int = 1
+    baselines: list[str] = field(default_factory=lambda: ["shortgpt", "laco"])
+    laco_threshold: float = 0.95
+    laco_blocks: int = 1
+    max_cache_gb: float = 2.0
+    batch_blocks: int = 4
+    save: str = "knee"
+    eval_tokens: int = 2048
+    eval_seq_len: int = 512
+    piqa_limit: int = 20
+    version: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of the fields that decide the search result (a resume must match it)."""
+        skip = {"save", "eval_tokens", "eval_seq_len", "piqa_limit", "max_cache_gb", "generations"}
+        d = {k: v for k, v in self.to_dict().items() if k not in skip}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def validate(self, n_layers: int | None = None) -> None:
+        """Raise UserError on bad values; with `n_layers`, also check the layer budget against the depth."""
+        if self.method not in METHODS:
+            raise UserError(f"unknown method {self.method!r}", f"use one of {', '.join(METHODS)}")
+        if self.population <= 0:
+            raise UserError(f"population must be positive, got {self.population}", "use --population 4 or more")
+        if self.generations <= 0:
+            raise UserError(f"generations must be positive, got {self.generations}", "use --generations 1 or more")
+        if not self.pareto and self.target_layers is None and self.ratio is None:
+            raise UserError("no layer budget given", "pass --pareto, --target-layers N or --ratio R")
+        if self.target_layers is not None and self.target_layers < 2:
+            raise UserError(f"target of {self.target_layers} layers is below 2", "keep 2 layers or more")
+        if self.ratio is not None and not 0.0 < self.ratio < 1.0:
+            raise UserError(f"--ratio must be between 0 and 1, got {self.ratio}", "e.g. --ratio 0.75 keeps 75% of the layers")
+        if 0.0 not in self.alpha_grid or 1.0 not in self.alpha_grid:
+            raise UserError("alpha_grid must include 0 and 1", "e.g. alpha_grid: [0.0, 0.5, 1.0]")
+        for b in self.baselines:
+            if b not in ("shortgpt", "laco"):
+                raise UserError(f"unknown baseline {b!r}", "use shortgpt and/or laco")
+        if self.calib_tokens < self.seq_len or self.val_tokens < self.seq_len:
+            raise UserError("calibration and validation need at least one block each", f"use {self.seq_len} tokens or more")
+        if self.kl_stride < 1 or self.kl_topk < 1 or self.max_group < 2:
+            raise UserError("kl_stride and kl_topk must be >= 1 and max_group >= 2", "fix the search spec")
+        if n_layers is not None:
+            target = self.resolved_target(n_layers)
+            if target is not None and not 2 <= target < n_layers:
+                raise UserError(
+                    f"target of {target} layers is out of range for a model with {n_layers} layers",
+                    f"use 2..{n_layers - 1}",
+                )
+            if self.min_layers is not None and not 2 <= self.min_layers < n_layers:
+                raise UserError(f"min_layers {self.min_layers} is out of range", f"use 2..{n_layers - 1}")
+
+    def resolved_target(self, n_layers: int) -> int | None:
+        if self.target_layers is not None:
+            return self.target_layers
+        if self.ratio is not None:
+            return max(1, round(self.ratio * n_layers))
+        return None
+
+    def layer_range(self, n_layers: int) -> tuple[int, int]:
+        """(lowest, highest) layer count a candidate may have."""
+        target = self.resolved_target(n_layers)
+        if not self.pareto and target is not None:
+            return target, target
+        lo = self.min_layers if self.min_layers is not None else max(2, (n_layers + 1) // 2)
+        return lo, n_layers - 1
+
+    @property
+    def val_offset(self) -> int:
+        """Validation blocks start after the calibration blocks in the same seeded order (disjoint)."""
+        return self.calib_tokens // self.seq_len
+
+
+FIELDS = {f.name for f in dataclasses.fields(CollapseConfig)}
+
+
+def config_from_dict(data: dict[str, Any], base: CollapseConfig | None = None) -> CollapseConfig:
+    """A config from a dict; unknown keys raise UserError."""
+    unknown = sorted(set(data) - FIELDS)
+    if unknown:
+        raise UserError(f"unknown key(s) in the search spec: {', '.join(unknown)}", f"known keys: {', '.join(sorted(FIELDS))}")
+    return dataclasses.replace(base or CollapseConfig(), **data)
+
+
+def load_spec(path: Path) -> CollapseConfig:
+    """Load a YAML search spec (a mapping of CollapseConfig fields)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise UserError(f"cannot read search spec {path}: {exc.strerror}", "check the path") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"search spec {path} is not valid YAML: {str(exc).splitlines()[0]}", "fix the file") from None
+    if not isinstance(data, dict):
+        raise UserError(f"search spec {path} must be a mapping of keys to values", "see searches/collapse-default.yaml")
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    return config_from_dict(data)

@@ -1,0 +1,193 @@
+"""Outputs: collapsed models as checkpoints, pareto.json/csv/png, and report.md (all written atomically)."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+from pathlib import Path
+
+from llmcompress.collapse.operator import collapse_group
+from llmcompress.collapse.space import Candidate
+from llmcompress.io.adapters import get_adapter
+from llmcompress.io.atomic import write_json, write_text
+from llmcompress.io.surgery import replace_layers
+
+
+def build_model(model, cand: Candidate):
+    """A new model (deep copy) whose decoder layers are the candidate's collapsed groups."""
+    new = copy.deepcopy(model)
+    adapter = get_adapter(new)
+    layers = list(adapter.decoder_layers(new))
+    built = [collapse_group([layers[i] for i in grp], cand.alpha_dicts(g), adapter.kind_of) for g, grp in enumerate(cand.groups)]
+    replace_layers(new, built, [grp[0] for grp in cand.groups])
+    return new.eval()
+
+
+def solution_record(name: str, cand: Candidate, calib, val, **extra) -> dict:
+    return {
+        "name": name,
+        "layers": cand.n_layers,
+        "params": calib.params,
+        "kl_calib": calib.kl,
+        "kl_val": val.kl if val else None,
+        "sim_calib": calib.sim,
+        "fitness_calib": calib.fitness,
+        "fitness_val": val.fitness if val else None,
+        "changes": cand.describe(),
+        "groups": [list(g) for g in cand.groups],
+        "layer_map": cand.layer_map(),
+        **extra,
+    }
+
+
+def knee(records: list[dict]) -> dict:
+    """The knee of a front in (layers, validation fitness): farthest point from the line joining the extremes."""
+    import numpy as np
+
+    if len(records) <= 2:
+        return min(records, key=lambda r: r["layers"]) if len(records) == 2 else records[0]
+    pts = np.array([[r["layers"], r["fitness_val"]] for r in records], dtype=float)
+    span = pts.max(0) - pts.min(0)
+    span[span == 0] = 1.0
+    p = (pts - pts.min(0)) / span
+    a, b = p[p[:, 0].argmin()], p[p[:, 0].argmax()]
+    u, v = b - a, p - a
+    d = np.abs(u[0] * v[:, 1] - u[1] * v[:, 0]) / (np.linalg.norm(u) or 1.0)
+    return records[int(d.argmax())]
+
+
+def choose_to_save(records: list[dict], save: str) -> list[dict]:
+    """knee | all | comma-separated layer counts (the closest solution at or above each count)."""
+    from llmcompress.errors import UserError
+
+    if not records:
+        return []
+    if save == "all":
+        return list(records)
+    if save == "knee":
+        return [knee(records)]
+    try:
+        counts = [int(s) for s in save.split(",") if s.strip()]
+    except ValueError:
+        raise UserError(f"--save {save!r} is not knee, all or a list of layer counts", "e.g. --save 22,26") from None
+    out = []
+    for n in counts:
+        at = [r for r in records if r["layers"] == n] or sorted([r for r in records if r["layers"] >= n], key=lambda r: r["layers"])[:1]
+        if not at:
+            raise UserError(f"no solution with {n} layers on the front", f"layer counts found: {sorted({r['layers'] for r in records})}")
+        if at[0] not in out:
+            out.append(at[0])
+    return out
+
+
+def write_front(out_dir: Path, records: list[dict], baselines: list[dict], meta: dict) -> None:
+    """pareto.json (front + baselines + metadata) and pareto.csv."""
+    write_json(out_dir / "pareto.json", {**meta, "front": records, "baselines": baselines})
+    buf = io.StringIO()
+    cols = ["name", "layers", "params", "kl_calib", "kl_val", "sim_calib", "fitness_calib", "fitness_val", "changes"]
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    for r in records + baselines:
+        w.writerow(r)
+    write_text(out_dir / "pareto.csv", buf.getvalue())
+
+
+def plot_front(path: Path, records: list[dict], baselines: list[dict], title: str) -> None:
+    """The front (layers vs KL, calibration and validation) with the baselines' points, Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    rs = sorted(records, key=lambda r: r["layers"])
+    if rs:
+        ax.plot([r["layers"] for r in rs], [r["kl_calib"] for r in rs], "o-", label="front (calibration KL)")
+        ax.plot([r["layers"] for r in rs], [r["kl_val"] for r in rs], "s--", label="front (validation KL)")
+    markers = {"shortgpt": "^", "laco": "v", "drop-search": "x", "gelaco": "D"}
+    for method in sorted({b["method"] for b in baselines}):
+        pts = sorted((b for b in baselines if b["method"] == method), key=lambda b: b["layers"])
+        ax.plot([b["layers"] for b in pts], [b["kl_val"] for b in pts], markers.get(method, "+"), ls=":", label=f"{method} (validation KL)")
+    ax.set_xlabel("decoder layers")
+    ax.set_ylabel("KL to the original (nats / token)")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def save_solution(model, tokenizer, cand: Candidate, record: dict, out: Path, *, source: str, source_hash: str, config: dict, overwrite: bool):
+    """Write the collapsed model as a HF checkpoint with its layer map in the manifest."""
+    from llmcompress.io.checkpoint import build_manifest, save_checkpoint
+
+    new = build_model(model, cand)
+    metrics = {k: record.get(k) for k in ("kl_calib", "kl_val", "sim_calib", "ppl_wikitext2", "piqa_acc") if record.get(k) is not None}
+    manifest = build_manifest(
+        source=source,
+        source_hash=source_hash,
+        method=f"collapse/{record.get('method', config.get('method'))}",
+        config=config,
+        metrics=metrics,
+        extra={"layer_map": cand.layer_map(), "original_layers": sum(len(g) for g in cand.groups)},
+    )
+    save_checkpoint(new, tokenizer, out, manifest=manifest, overwrite=overwrite)
+    return new
+
+
+def quality(model, tokenizer, *, eval_tokens: int, seq_len: int, piqa_limit: int) -> dict:
+    """WikiText-2 test perplexity and PIQA accuracy (each skipped when its budget is 0 or it is unavailable)."""
+    out: dict = {}
+    if eval_tokens > 0 and tokenizer is not None:
+        from llmcompress.eval.perplexity import perplexity
+
+        try:
+            seq = min(seq_len, eval_tokens)
+            out["ppl_wikitext2"] = perplexity(model, tokenizer, "wikitext2", seq_len=seq, max_tokens=eval_tokens)["ppl"]
+        except Exception as exc:  # noqa: BLE001 - a report must not lose the search over a missing dataset
+            out["ppl_error"] = f"{type(exc).__name__}: {exc}"
+    if piqa_limit > 0 and tokenizer is not None:
+        try:
+            from llmcompress.eval.lmeval import run_lm_eval
+
+            res = run_lm_eval(model, tokenizer, tasks=["piqa"], limit=piqa_limit)
+            out["piqa_acc"] = res.get("piqa", {}).get("acc")
+        except Exception as exc:  # noqa: BLE001 - lm-eval glue is optional (ImportError, missing data, ...)
+            out["piqa_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    return out
+
+
+def _fmt(v, spec=".3f"):
+    return "—" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+def write_report(path: Path, rows: list[dict], meta: dict) -> None:
+    """report.md: dense model, baselines and chosen solutions side by side."""
+    lines = [
+        f"# llmcompress collapse: {meta.get('model')}",
+        "",
+        f"- method: {meta.get('method')}; mode: {'pareto' if meta.get('pareto') else 'single'}; "
+        f"population {meta.get('population')}, generations {meta.get('generations')}, seed {meta.get('seed')}",
+        f"- calibration: {meta.get('calibration')}; validation: {meta.get('validation')} (never optimized on)",
+        f"- search: {meta.get('evaluations')} fitness evaluations in {_fmt(meta.get('search_seconds'), '.1f')} s "
+        f"({_fmt(meta.get('evals_per_s'), '.3f')} evals/s, prefix cache on)",
+        f"- perplexity: WikiText-2 raw test, first {meta.get('eval_tokens')} tokens at seq-len {meta.get('eval_seq_len')}; "
+        f"PIQA: {meta.get('piqa_limit')} examples",
+        "",
+        "| model | layers | params | KL calib | KL val | WikiText-2 ppl | PIQA acc | changes |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {r['layers']} | {r['params'] / 1e6:.1f}M | {_fmt(r.get('kl_calib'))} | {_fmt(r.get('kl_val'))} | "
+            f"{_fmt(r.get('ppl_wikitext2'), '.2f')} | {_fmt(r.get('piqa_acc'))} | {r.get('changes', '')} |"
+        )
+    errors = sorted({r[k] for r in rows for k in ("ppl_error", "piqa_error") if r.get(k)})
+    if errors:
+        lines += ["", "Notes:"] + [f"- {e}" for e in errors]
+    write_text(path, "\n".join(lines) + "\n")

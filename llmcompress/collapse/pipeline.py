@@ -1,0 +1,190 @@
+"""The `llmcompress collapse` pipeline: data -> cached references -> baselines -> search -> selection -> outputs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmcompress.collapse.config import CollapseConfig
+from llmcompress.errors import UserError
+
+
+@dataclass
+class CollapseResult:
+    out_dir: Path
+    front: list[dict]
+    baselines: list[dict]
+    saved: list[Path] = field(default_factory=list)
+    evals_per_s: float = float("nan")
+    search_seconds: float = 0.0
+
+
+def prepare(cfg: CollapseConfig, lm, *, calib_blocks=None, val_blocks=None, cache_dir=None):
+    """Calibration/validation blocks, cached references and the evaluator for a loaded model."""
+    from llmcompress.collapse.fitness import Evaluator, build_reference
+    from llmcompress.data import calibration_blocks
+
+    n_cal, n_val = cfg.calib_tokens // cfg.seq_len, cfg.val_tokens // cfg.seq_len
+    labels = {}
+    if calib_blocks is None:
+        calib_blocks, labels["calib"] = calibration_blocks(
+            lm.tokenizer, cfg.calib_source, split=cfg.calib_split, seq_len=cfg.seq_len, n_blocks=n_cal, seed=cfg.seed, model=lm.model
+        )
+    if val_blocks is None:
+        val_blocks, labels["val"] = calibration_blocks(
+            lm.tokenizer, cfg.calib_source, split=cfg.calib_split, seq_len=cfg.seq_len, n_blocks=n_val, seed=cfg.seed,
+            offset=cfg.val_offset, model=lm.model,
+        )
+    max_bytes = cfg.max_cache_gb * 2**30 / 2  # half the budget each for calibration and validation
+    common = dict(topk=cfg.kl_topk, stride=cfg.kl_stride, batch=cfg.batch_blocks, max_bytes=max_bytes, cache_dir=cache_dir)
+    calib = build_reference(lm.model, calib_blocks, label=labels.get("calib", "given"), **common)
+    val = build_reference(lm.model, val_blocks, label=labels.get("val", "given"), **common)
+    ev = Evaluator(lm.model, calib, val, w_kl=cfg.w_kl, w_sim=cfg.w_sim, sim_blocks=cfg.sim_blocks, batch=cfg.batch_blocks)
+    return ev
+
+
+def baseline_candidates(cfg: CollapseConfig, ev, counts: list[int], lo: int) -> dict[str, dict[int, object]]:
+    """method -> {layers: candidate} for the configured baselines."""
+    from llmcompress.collapse import baselines as B
+
+    methods = set(cfg.baselines) | ({cfg.method} if cfg.method in ("shortgpt", "laco") else set())
+    out: dict[str, dict[int, object]] = {}
+    if "shortgpt" in methods:
+        scores = B.shortgpt_scores(ev)
+        out["shortgpt"] = {n: B.shortgpt(ev, n, scores) for n in counts}
+    if "laco" in methods:
+        path = B.laco(ev, lo, threshold=cfg.laco_threshold, n_blocks=min(cfg.laco_blocks, ev.refs["calib"].n_blocks),
+                      protect_first=cfg.protect_first, protect_last=cfg.protect_last)
+        out["laco"] = {n: c for n, c in path.items() if n in counts or n == lo}
+    return out
+
+
+def _record(ev, name, method, cand):
+    from llmcompress.collapse.export import solution_record
+
+    return solution_record(name, cand, ev.evaluate(cand), ev.evaluate(cand, "val"), method=method)
+
+
+def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False, resume: bool = False, lm=None, stop_after=None) -> CollapseResult:
+    """Run a collapse search (or a baseline) and write every output under `out_dir`.
+
+    Args:
+        cfg: the run's configuration (validated here against the model's depth).
+        out_dir: output directory (must be new unless overwrite/resume).
+        lm: an already loaded `LoadedModel` (else `cfg.model` is loaded).
+        stop_after: stop the search after this generation (simulates an interruption).
+    """
+    from llmcompress.collapse import export as E
+    from llmcompress.collapse.search import (
+        load_state,
+        make_space,
+        nondominated,
+        run_search,
+        select_by_validation,
+    )
+    from llmcompress.io.atomic import check_out_dir, write_json
+    from llmcompress.io.load import load_model
+    from llmcompress.progress import bar
+    from llmcompress.runtime import seed_everything
+
+    out_dir = Path(out_dir)
+    cfg.validate()
+    check_out_dir(out_dir, overwrite=overwrite, resume=resume)
+    lm = lm or load_model(cfg.model)
+    L = lm.model.config.num_hidden_layers
+    cfg.validate(L)
+    space = make_space(cfg, L)
+    lo, hi = space.lo, space.hi
+    if lo < space.min_reachable():
+        raise UserError(
+            f"{lo} layers cannot be reached with max_group={cfg.max_group} and the protected layers",
+            f"use {space.min_reachable()} layers or more, or raise max_group",
+        )
+    if resume:
+        load_state(out_dir, cfg, cfg.model)  # wrong model/config: one-line error before any work
+    elif overwrite and out_dir.exists():
+        for stale in ("search_state.pkl", "search_log.jsonl"):
+            (out_dir / stale).unlink(missing_ok=True)
+    seed_everything(cfg.seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "config.json", cfg.to_dict())
+    ev = prepare(cfg, lm, cache_dir=out_dir)
+    try:
+        return _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar)
+    finally:
+        ev.close()
+
+
+def _compare_counts(cfg, lo, hi, target) -> list[int]:
+    if target is not None:
+        return [target]
+    step = max(1, (hi - lo) // 4)
+    return sorted({hi, *range(lo, hi + 1, step)} | {lo})
+
+
+def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar):
+    L = ev.n_layers
+    target = cfg.resolved_target(L)
+    counts = list(range(lo, hi + 1)) if cfg.method in ("shortgpt", "laco") and cfg.pareto else _compare_counts(cfg, lo, hi, target)
+    base = baseline_candidates(cfg, ev, sorted(set(counts) | set(_compare_counts(cfg, lo, hi, target))), lo)
+    t0 = time.perf_counter()
+    if cfg.method in ("gelaco", "drop-search"):
+        seeds = [c for per in base.values() for c in per.values()]
+        if cfg.method == "drop-search":
+            seeds = [c for c in seeds if all(a == 0.0 for g in c.alphas for t in g for a in t)]
+        with bar(f"collapse {cfg.method}", total=cfg.generations + 1) as b:
+            def tick(g):
+                rec = g.record
+                b.update(completed=g.gen + 1, info=f"gen {g.gen}  best KL {rec['best_kl_calib']:.3f} (val {rec['best_kl_val']:.3f})  {rec['evals_per_s']:.2f} evals/s")
+
+            history = run_search(cfg, ev, seeds, out_dir, model_id=cfg.model, resume=resume, stop_after=stop_after, on_generation=tick)
+        if stop_after is not None and history and history[-1].gen < cfg.generations:
+            return CollapseResult(out_dir, [], [])
+        picks = select_by_validation(ev, lo, hi)
+    else:
+        picks = [(c, ev.evaluate(c), ev.evaluate(c, "val")) for n, c in sorted(base[cfg.method].items()) if lo <= n <= hi]
+    search_s = time.perf_counter() - t0
+    records = [E.solution_record(f"{cfg.method}-{c.n_layers}L", c, f, v, method=cfg.method) for c, f, v in picks]
+    if cfg.pareto:
+        records = nondominated(records, key=lambda r: (r["layers"], r["fitness_val"]))
+    cands = {f"{cfg.method}-{c.n_layers}L": c for c, _, _ in picks}
+    chosen = E.choose_to_save(records, cfg.save)
+    saved_counts = {r["layers"] for r in chosen}
+    baseline_rows = [
+        _record(ev, f"{m}-{n}L", m, c)
+        for m, per in base.items() if m != cfg.method
+        for n, c in sorted(per.items()) if n in set(_compare_counts(cfg, lo, hi, target)) | saved_counts
+    ]
+    # quality of the dense model, the chosen solutions and the baselines at the same layer counts
+    q = dict(eval_tokens=cfg.eval_tokens, seq_len=cfg.eval_seq_len, piqa_limit=cfg.piqa_limit)
+    dense = {"name": "dense", "layers": L, "params": ev.total_params, "kl_calib": 0.0, "kl_val": 0.0, "changes": "original",
+             **E.quality(lm.model, lm.tokenizer, **q)}
+    saved = []
+    for r in chosen:
+        path = out_dir / "models" / r["name"]
+        model = E.save_solution(lm.model, lm.tokenizer, cands[r["name"]], r, path, source=cfg.model, source_hash=lm.source_hash,
+                                config=cfg.to_dict(), overwrite=True)
+        r.update(E.quality(model, lm.tokenizer, **q))
+        r["checkpoint"] = str(path)
+        saved.append(path)
+        del model
+    for r in baseline_rows:
+        if r["layers"] in saved_counts:
+            model = E.build_model(lm.model, base[r["method"]][r["layers"]])
+            r.update(E.quality(model, lm.tokenizer, **q))
+            del model
+    meta = {
+        "model": cfg.model, "method": cfg.method, "pareto": cfg.pareto, "population": cfg.population,
+        "generations": cfg.generations, "seed": cfg.seed, "layers_original": L, "params_original": ev.total_params,
+        "calibration": f"{ev.refs['calib'].label}, {cfg.calib_tokens} tokens",
+        "validation": f"{ev.refs['val'].label}, {cfg.val_tokens} tokens (disjoint blocks)",
+        "evaluations": ev.stats.evaluations, "evals_per_s": ev.stats.per_second, "search_seconds": search_s,
+        "eval_tokens": cfg.eval_tokens, "eval_seq_len": cfg.eval_seq_len, "piqa_limit": cfg.piqa_limit,
+        "selection": "per layer count, best calibration candidates re-ranked by validation fitness",
+        "config": cfg.to_dict(),
+    }
+    E.write_front(out_dir, records, baseline_rows, meta)
+    E.plot_front(out_dir / "pareto.png", records, baseline_rows, f"{cfg.model}: {cfg.method} vs baselines")
+    E.write_report(out_dir / "report.md", [dense] + sorted(baseline_rows + chosen, key=lambda r: (-r["layers"], r["name"])), meta)
+    return CollapseResult(out_dir, records, baseline_rows, saved, ev.stats.per_second, search_s)

@@ -1,0 +1,259 @@
+"""Drive the search with pymoo (GA for one layer budget, NSGA-II for a Pareto front), with atomic resume.
+
+The pymoo Problem is thin: it decodes genomes and asks the Evaluator (which lives outside it). After every
+generation the whole algorithm object (population, archive of optima, numpy RNG) is pickled with
+temp+rename, so `--resume` continues from the last finished generation and ends on the same front.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from pymoo.core.problem import Problem
+
+from llmcompress.collapse.config import CollapseConfig
+from llmcompress.collapse.fitness import Evaluator, Fitness
+from llmcompress.collapse.space import (
+    BudgetRepair,
+    Candidate,
+    LayerCrossover,
+    LayerMutation,
+    SeededSampling,
+    Space,
+)
+from llmcompress.errors import UserError
+
+STATE_FILE = "search_state.pkl"
+LOG_FILE = "search_log.jsonl"
+HV_REF_FITNESS = 3.0  # hypervolume reference point: (all layers, fitness 3.0 nats)
+
+
+class CollapseProblem(Problem):
+    """Minimize (layers, fitness) in Pareto mode, or fitness alone at a fixed budget."""
+
+    def __init__(self, space: Space, evaluator: Evaluator | None, pareto: bool) -> None:
+        super().__init__(n_var=space.n_var, n_obj=2 if pareto else 1, xl=np.zeros(space.n_var), xu=space.upper, vtype=int)
+        self.space, self.evaluator, self.pareto = space, evaluator, pareto
+
+    def _evaluate(self, X, out, *args, **kwargs):
+        rows = []
+        for x in np.asarray(X).astype(int):
+            cand = self.space.decode(x)
+            fit = self.evaluator.evaluate(cand)
+            rows.append([cand.n_layers, fit.fitness] if self.pareto else [fit.fitness])
+        out["F"] = np.array(rows, dtype=float)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["evaluator"] = None  # the evaluator holds the model and caches: rebuilt on resume
+        return state
+
+
+def make_space(cfg: CollapseConfig, n_layers: int) -> Space:
+    lo, hi = cfg.layer_range(n_layers)
+    return Space(
+        n_layers=n_layers,
+        alpha_grid=tuple(float(a) for a in cfg.alpha_grid),
+        per_kind=cfg.alpha_per_kind,
+        lo=lo,
+        hi=hi,
+        protect_first=cfg.protect_first,
+        protect_last=cfg.protect_last,
+        max_group=cfg.max_group,
+        fixed_alpha=0.0 if cfg.method == "drop-search" else None,
+    )
+
+
+def make_algorithm(cfg: CollapseConfig, space: Space, seeds: list[np.ndarray]):
+    from pymoo.algorithms.moo.nsga2 import NSGA2
+    from pymoo.algorithms.soo.nonconvex.ga import GA
+
+    kwargs = dict(
+        pop_size=cfg.population,
+        sampling=SeededSampling(space, seeds),
+        crossover=LayerCrossover(space, prob=cfg.p_crossover),
+        mutation=LayerMutation(space, cfg.p_cut_move, cfg.p_cut_flip, cfg.p_alpha),
+        repair=BudgetRepair(space),
+        eliminate_duplicates=True,
+    )
+    return NSGA2(**kwargs) if cfg.pareto else GA(**kwargs)
+
+
+@dataclass
+class Generation:
+    gen: int
+    front: list[tuple[Candidate, Fitness, Fitness]]  # (candidate, calibration, validation)
+    record: dict = field(default_factory=dict)
+
+
+def hypervolume(points: list[tuple[float, float]], n_layers: int) -> float:
+    """Hypervolume of (layers, fitness) points, layers scaled by the depth, reference (1, HV_REF_FITNESS)."""
+    from pymoo.indicators.hv import HV
+
+    if not points:
+        return 0.0
+    F = np.array([[layers / n_layers, fit] for layers, fit in points], dtype=float)
+    return float(HV(ref_point=np.array([1.0, HV_REF_FITNESS]))(F))
+
+
+def nondominated(items: list, key) -> list:
+    """Items not dominated in the 2-D minimization key(item) -> (a, b); ties keep the first seen."""
+    pts = [key(i) for i in items]
+    out = []
+    for i, p in enumerate(pts):
+        dominated = any((q[0] <= p[0] and q[1] <= p[1]) and (q != p or j < i) for j, q in enumerate(pts) if j != i)
+        if not dominated:
+            out.append(items[i])
+    return out
+
+
+def current_front(algo, space: Space, evaluator: Evaluator, pareto: bool) -> list[tuple[Candidate, Fitness, Fitness]]:
+    """The algorithm's optima (non-dominated, or the best), each with calibration and validation fitness."""
+    seen, out = set(), []
+    for ind in algo.opt:
+        cand = space.decode(ind.X)
+        if cand.key in seen:
+            continue
+        seen.add(cand.key)
+        out.append((cand, evaluator.evaluate(cand), evaluator.evaluate(cand, "val")))
+    out.sort(key=lambda t: (t[0].n_layers, t[1].fitness))
+    return out if pareto else out[:1]
+
+
+def _atomic_pickle(path: Path, obj) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_state(out_dir: Path, cfg: CollapseConfig, model_id: str):
+    """The pickled algorithm of an interrupted run, after checking it was made for this model and config."""
+    path = Path(out_dir) / STATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as f:
+            state = pickle.load(f)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
+        raise UserError(f"cannot read the search state in {path}: {exc}", "start afresh with --overwrite") from None
+    if state.get("model") != model_id or state.get("fingerprint") != cfg.fingerprint():
+        raise UserError(
+            f"{out_dir} holds a search for another model or config ({state.get('model')})",
+            "resume with the same model and settings, or choose another --out",
+        )
+    return state
+
+
+def truncate_log(path: Path, last_gen: int) -> None:
+    """Drop log lines of generations after `last_gen` (written before a crash, never checkpointed)."""
+    import json
+
+    from llmcompress.io.atomic import write_text
+
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("gen", 0) <= last_gen]
+    write_text(path, "".join(line + "\n" for line in keep))
+
+
+def run_search(
+    cfg: CollapseConfig,
+    evaluator: Evaluator,
+    seeds: list[Candidate],
+    out_dir: Path,
+    *,
+    model_id: str,
+    resume: bool = False,
+    stop_after: int | None = None,
+    on_generation=None,
+) -> list[Generation]:
+    """Run (or resume) the search; returns the per-generation fronts computed in this call.
+
+    Args:
+        stop_after: stop after this generation (tests use it to simulate an interruption).
+        on_generation: callback(Generation) after each generation, e.g. a progress bar.
+    """
+    from pymoo.termination.max_gen import MaximumGenerationTermination
+
+    from llmcompress.io.atomic import append_jsonl
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    space = make_space(cfg, evaluator.n_layers)
+    state = load_state(out_dir, cfg, model_id) if resume else None
+    if state is not None:
+        algo = state["algorithm"]
+        algo.problem.evaluator = evaluator
+        algo.termination = MaximumGenerationTermination(cfg.generations + 1)
+        truncate_log(out_dir / LOG_FILE, algo.n_gen - 2)
+    else:
+        (out_dir / LOG_FILE).unlink(missing_ok=True)
+        algo = make_algorithm(cfg, space, [space.encode(s) for s in seeds])
+        problem = CollapseProblem(space, evaluator, cfg.pareto)
+        algo.setup(problem, termination=("n_gen", cfg.generations + 1), seed=cfg.seed, verbose=False)
+    history = []
+    while algo.has_next():
+        algo.next()
+        gen = algo.n_gen - 2  # pymoo counts the finished initial population as n_gen 2; ours is 0
+        front = current_front(algo, space, evaluator, cfg.pareto)
+        best = min(front, key=lambda t: t[1].fitness)
+        record = {
+            "gen": gen,
+            "evaluations": evaluator.stats.evaluations,
+            "evals_per_s": round(evaluator.stats.per_second, 4),
+            "best_fitness_calib": best[1].fitness,
+            "best_fitness_val": best[2].fitness,
+            "best_kl_calib": best[1].kl,
+            "best_kl_val": best[2].kl,
+            "hv_calib": hypervolume([(c.n_layers, f.fitness) for c, f, _ in front], evaluator.n_layers),
+            "hv_val": hypervolume([(c.n_layers, v.fitness) for c, _, v in front], evaluator.n_layers),
+            "front": [
+                {"layers": c.n_layers, "fitness_calib": f.fitness, "fitness_val": v.fitness, "kl_calib": f.kl, "kl_val": v.kl}
+                for c, f, v in front
+            ],
+        }
+        append_jsonl(out_dir / LOG_FILE, record)
+        _atomic_pickle(out_dir / STATE_FILE, {"algorithm": algo, "model": model_id, "fingerprint": cfg.fingerprint(), "gen": gen})
+        g = Generation(gen, front, record)
+        history.append(g)
+        if on_generation is not None:
+            on_generation(g)
+        if stop_after is not None and gen >= stop_after:
+            break
+    return history
+
+
+def final_front(algo_state_dir: Path):
+    """The final population's decoded optima from a saved state (for inspection)."""
+    with open(Path(algo_state_dir) / STATE_FILE, "rb") as f:
+        return pickle.load(f)["algorithm"].opt
+
+
+def select_by_validation(evaluator: Evaluator, lo: int, hi: int, top: int = 2) -> list[tuple[Candidate, Fitness, Fitness]]:
+    """Per layer count, the `top` best candidates on calibration, re-ranked by validation; one per count.
+
+    Every candidate the search evaluated is considered (the evaluator's archive), so the saved solutions
+    are chosen by a split the search never optimized on.
+    """
+    by_count: dict[int, list[tuple[Candidate, Fitness]]] = {}
+    for key, cand in evaluator.archive.items():
+        if lo <= cand.n_layers <= hi:
+            by_count.setdefault(cand.n_layers, []).append((cand, evaluator.memo[("calib", key)]))
+    picks = []
+    for n in sorted(by_count):
+        ranked = sorted(by_count[n], key=lambda t: t[1].fitness)[:top]
+        scored = [(c, f, evaluator.evaluate(c, "val")) for c, f in ranked]
+        picks.append(min(scored, key=lambda t: t[2].fitness))
+    return picks

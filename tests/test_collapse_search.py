@@ -1,0 +1,119 @@
+"""Search space, fitness cache and search determinism/resume on tiny models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_VOCAB, tiny_model
+
+from llmcompress.collapse.baselines import laco, shortgpt
+from llmcompress.collapse.config import CollapseConfig
+from llmcompress.collapse.fitness import Evaluator, build_reference
+from llmcompress.collapse.search import make_space, run_search, select_by_validation
+from llmcompress.collapse.space import Candidate, Space
+
+
+def _evaluator(layers=8, max_bytes=1e9, use_prefix=True, tmp=None):
+    model = tiny_model("llama", layers=layers)
+    g = torch.Generator().manual_seed(0)
+    cb, vb = torch.randint(3, TINY_VOCAB, (6, 24), generator=g), torch.randint(3, TINY_VOCAB, (3, 24), generator=g)
+    kw = dict(topk=16, stride=2, batch=3, max_bytes=max_bytes, cache_dir=tmp)
+    return Evaluator(model, build_reference(model, cb, **kw), build_reference(model, vb, **kw), batch=3, use_prefix=use_prefix)
+
+
+@pytest.fixture(scope="module")
+def ev():
+    e = _evaluator()
+    yield e
+    e.close()
+
+
+def test_encode_decode_roundtrip():
+    sp = Space(10, (0.0, 0.5, 1.0), lo=5, hi=9)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        x = sp.random_genome(rng)
+        c = sp.decode(x)
+        assert sp.decode(sp.encode(c)) == c
+        assert sorted(i for g in c.groups for i in g) == list(range(10))
+
+
+@pytest.mark.parametrize("lo,hi", [(5, 5), (6, 6), (5, 9)])
+def test_repair_respects_budget(lo, hi):
+    sp = Space(12, (0.0, 0.5, 1.0), lo=lo, hi=hi, max_group=4)
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        x = rng.integers(0, 2, sp.n_var)
+        x[11:] = rng.integers(0, 3, sp.n_var - 11)
+        c = sp.decode(sp.repair_one(x))
+        assert lo <= c.n_layers <= hi
+        assert c.groups[0] == (0,) and c.groups[-1] == (11,)  # protected first/last layers
+        assert max(len(g) for g in c.groups) <= 4
+    x = rng.integers(0, 2, sp.n_var)
+    assert np.array_equal(sp.repair_one(x), sp.repair_one(x))  # deterministic
+
+
+def test_drop_search_fixes_alpha_to_zero():
+    sp = Space(8, (0.0, 0.5, 1.0), lo=5, hi=5, fixed_alpha=0.0)
+    c = sp.decode(sp.random_genome(np.random.default_rng(2)))
+    assert all(a == 0.0 for g in c.alphas for t in g for a in t)
+
+
+def test_prefix_cached_fitness_equals_full_recompute(ev, tmp_path):
+    full = _evaluator(use_prefix=False)
+    disk = _evaluator(max_bytes=0, tmp=tmp_path)  # states offloaded to disk
+    assert disk.refs["calib"].states.on_disk
+    cands = [Candidate.from_keep(8, {5, 6}), Candidate.from_keep(8, {2}), shortgpt(ev, 5)]
+    cands.append(laco(ev, 6, threshold=0.0)[6])
+    for c in cands:
+        a, b, d = ev.evaluate(c), full.evaluate(c), disk.evaluate(c)
+        assert a.kl == pytest.approx(b.kl, rel=1e-4, abs=1e-6) and a.kl == pytest.approx(d.kl, rel=1e-5, abs=1e-7)
+        assert a.kl > 0 and a.params < ev.total_params
+    disk.close()
+
+
+def _run(tmp, stop_after=None, resume=False, ev=None, seed=0):
+    ev = ev or _evaluator()
+    cfg = CollapseConfig(population=5, generations=2, seed=seed, min_layers=4, sim_blocks=1)
+    seeds = [shortgpt(ev, n) for n in (5, 6)]
+    hist = run_search(cfg, ev, seeds, tmp, model_id="tiny", resume=resume, stop_after=stop_after)
+    return hist, ev
+
+
+def _front(hist):
+    return [(c.key, f.fitness) for c, f, _ in hist[-1].front]
+
+
+@pytest.fixture(scope="module")
+def full_run(ev, tmp_path_factory):
+    path = tmp_path_factory.mktemp("full")
+    return _run(path, ev=ev)[0], path
+
+
+def test_same_seed_same_front_and_log(tmp_path, ev, full_run):
+    h1, path = full_run
+    h2, _ = _run(tmp_path / "b", ev=_evaluator())
+    assert _front(h1) == _front(h2)
+    log = [__import__("json").loads(s) for s in (path / "search_log.jsonl").read_text().splitlines()]
+    assert [r["gen"] for r in log] == [0, 1, 2]
+    assert all("hv_calib" in r and "hv_val" in r and "best_fitness_val" in r for r in log)
+    picks = select_by_validation(ev, 4, 7)
+    assert picks and all(4 <= c.n_layers <= 7 for c, _, _ in picks)
+
+
+def test_resume_equals_uninterrupted(tmp_path, full_run):
+    full, _ = full_run
+    part, _ = _run(tmp_path / "cut", stop_after=1, ev=_evaluator())
+    assert part[-1].gen == 1
+    rest, _ = _run(tmp_path / "cut", resume=True, ev=_evaluator())  # fresh evaluator: nothing memoized
+    assert [g.gen for g in rest] == [2]
+    assert _front(rest) == _front(full)
+    lines = (tmp_path / "cut" / "search_log.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+
+
+def test_make_space_single_objective_budget():
+    cfg = CollapseConfig(pareto=False, target_layers=5)
+    sp = make_space(cfg, 8)
+    assert (sp.lo, sp.hi) == (5, 5)
