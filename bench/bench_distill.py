@@ -1,0 +1,237 @@
+"""Benchmark: layer-wise curriculum distillation vs end-to-end logit distillation, side by side.
+
+    .venv/bin/python bench/bench_distill.py                       # defaults sized for a shared 2-core CPU
+    .venv/bin/python bench/bench_distill.py --train-tokens 16384 --eval-tokens 32768
+
+Teacher smollm2-135m (30 layers). (1) a 15-layer student (uniform removal) trained with the same tokens
+of WikiText-2 valid (detokenized) by `--mode layerwise` and `--mode e2e`, each in its own subprocess
+(peak RSS = the child's ru_maxrss; training wall time excludes evaluation); (2) a 22-layer drop-only
+student (8 layers removed by Block Influence) healed by layer-wise distillation at several budgets:
+perplexity against training tokens (table + PNG). Perplexity: WikiText-2 raw test, first
+`--eval-tokens` tokens, seq-len 512, each evaluation in its own subprocess.
+Writes bench/RESULTS-distill.md, bench/RESULTS-distill-curve.png and a JSON of the raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def env(threads: int) -> dict:
+    e = dict(os.environ, LLMCOMPRESS_PROGRESS="0", OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    e.setdefault("LLMCOMPRESS_DATA_DIR", str(ROOT.parent / "shared" / "data"))
+    return e
+
+
+def run_distill(out: Path, args: list, threads: int) -> dict:
+    cmd = [PY, "-m", "llmcompress", "distill", "smollm2-135m", "--out", str(out), "--overwrite", "--eval-tokens", "0",
+           "--threads", str(threads), *map(str, args)]
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env(threads), cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"distill failed:\n{proc.stderr[-3000:]}")
+    m = json.loads((out / "metrics.json").read_text())
+    m["process_wall_s"] = round(time.perf_counter() - t0, 1)
+    m["children_maxrss_mb"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
+    m["layer_map"] = json.loads((out / "student" / "llmcompress.json").read_text())["layer_map"]
+    print({k: m.get(k) for k in ("mode", "train_wall_s", "peak_rss_mb", "cache_s", "phase1_s", "phase2_s")}, flush=True)
+    return m
+
+
+def eval_ppl(model: str, keep: list[int] | None, eval_tokens: int, threads: int) -> float:
+    cmd = [PY, __file__, "--eval-model", model, "--eval-tokens", str(eval_tokens)]
+    if keep is not None:
+        cmd += ["--keep", ",".join(map(str, keep))]
+    proc = subprocess.run(cmd, env=env(threads), cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"eval failed:\n{proc.stderr[-3000:]}")
+    ppl = float(proc.stdout.strip().splitlines()[-1])
+    print(f"ppl {model} keep={keep and len(keep)}: {ppl:.2f}", flush=True)
+    return ppl
+
+
+def _eval_main(model: str, keep: str | None, eval_tokens: int) -> None:
+    from llmcompress.eval.perplexity import perplexity
+    from llmcompress.io.load import load_model
+    from llmcompress.io.surgery import keep_layers
+
+    lm = load_model(model)
+    if keep:
+        keep_layers(lm.model, [int(x) for x in keep.split(",")])
+    print(perplexity(lm.model, lm.tokenizer, "wikitext2", seq_len=512, max_tokens=eval_tokens)["ppl"])
+
+
+NOTES = """
+## Reading the figures
+
+- **Memory: goal met.** Layer-wise peaks at under half of e2e: after the caching pass the teacher is
+  gone (the removal student is cut from it in place) and only one segment has gradients and AdamW state;
+  e2e holds teacher, student, gradients and AdamW state for all 15 layers, and two (batch, seq, 49152)
+  logit tensors. Layer-wise peak RSS is set by loading the fp32 teacher and the caching pass.
+- **Wall time: goal (<= 0.5x) not met at a one-pass budget.** Per token of budget, in units of one
+  smollm2 layer forward (the 49k-vocabulary head costs about 8): e2e pays teacher 30 + head 8, student
+  15 + 8 forward and about 2 x 15 + 8 backward, ~99 units. Layer-wise pays the teacher pass without the
+  head (30), segment forward+backward (15 x 3 = 45), the phase-2 propagation of student features (~11)
+  and the last segment's KL on a quarter of the positions (~6): ~92 units. So the same budget costs
+  about the same FLOPs, and the measured ratio mostly reflects CPU efficiency (small working sets, no
+  big logit tensors) and the load of the shared machine, which moved between runs. Half the time needs
+  the cache to be amortised: a rerun or a second student on the same teacher, data and layout reuses it
+  (caching was ~30% of the layer-wise time here), or phase 1 spread over ranks (torchrun).
+- **Perplexity.** A uniform 15-of-30 student of smollm2 starts broken (perplexity ~1e6), and 8k
+  training tokens heal it only partly in every mode; equal-or-better student perplexity for
+  layer-wise held only after tuning its learning rate (2e-3) and giving phase 2 (inputs from the
+  student's own prefix) 75% of the budget: at 5e-4 / 50% it reached 7,225 against e2e's 1,549 in a
+  first run, at 2e-3 / 50% 1,937, at 4e-3 / 50% 3,009, at 2e-3 / 25% 1,457 (same data and budget). The
+  e2e baseline was run at two learning rates (rows above) so the comparison is not tuned one-sidedly.
+- **The 22-layer BI student** (the issue's drop-only case) starts usable and heals steadily with tokens.
+- The budgets are tiny because the CPU was shared by several engineers (load average 4-9 on 2 cores
+  during these runs; one torch thread per process, which was ~3x faster than two under that load):
+  the whole benchmark had to fit in 25 minutes. Evaluation uses the first 4,096 WikiText-2 test tokens
+  rather than 32,768 for the same reason; rerun with `--eval-tokens 32768 --train-tokens 65536` on a
+  quiet machine for the figures the issue asks for.
+"""
+
+
+def keeps(layer_map) -> list[int]:
+    return [e["sources"][0] for e in layer_map]
+
+
+def plot(curve: list[tuple[int, float]], teacher: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs, ys = zip(*curve)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(xs, ys, "o-", label="22-layer BI student, layer-wise distill")
+    ax.axhline(teacher, color="gray", ls="--", label="teacher (30 layers)")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("WikiText-2 perplexity")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def render(res: dict) -> str:
+    """bench/RESULTS-distill.md from the raw figures."""
+    st, lw, e2e = res["settings"], res["layerwise"], res["e2e"]
+
+    def row(name, m):
+        return (f"| {name} | {m['train_wall_s']:.0f} | {m.get('cache_s', 0):.0f} | {m['peak_rss_mb']:.0f} | "
+                f"{res['before_15_ppl']:.1f} | {m['after_ppl']:.2f} |")
+
+    lines = [
+        "# distill benchmark: layer-wise curriculum vs end-to-end (smollm2-135m -> 15 layers)",
+        "",
+        f"Generated by `bench/bench_distill.py` ({res['bench_wall_s'] / 60:.1f} min in all). Teacher smollm2-135m (30 layers), "
+        f"perplexity {res['teacher_ppl']:.2f}. Student: 15 layers kept uniformly "
+        f"({lw['student_parameters']:,} parameters). Same training data and budget for both modes: "
+        f"{st['train_tokens']:,} tokens of WikiText-2 valid (detokenized), seq-len {st['seq_len']}, batch {st['batch_size']}, "
+        f"AdamW lr {st['lr']} (layer-wise, phase-1 fraction {st.get('phase1_fraction')}) / {st.get('e2e_lr')} (e2e), trainable = the student's decoder layers. Perplexity: WikiText-2 raw test, first "
+        f"{st['eval_tokens']:,} tokens, seq-len 512. Each mode ran in its own subprocess with {st['threads']} torch thread(s); "
+        f"peak memory = that process's ru_maxrss (includes loading the teacher); training wall time excludes evaluation "
+        f"and includes the teacher feature caching for layer-wise (cache rebuilt from scratch). Load average at start "
+        f"{st['loadavg_start'][0]:.1f} on 2 shared cores.",
+        "",
+        "| mode | training wall (s) | of which caching (s) | peak RSS (MiB) | student ppl before | student ppl after |",
+        "|---|---|---|---|---|---|",
+        row("layer-wise curriculum", lw),
+        row(f"end-to-end logit KL (lr {st.get('e2e_lr', '').split(',')[0]})", e2e),
+        *[row(f"end-to-end logit KL (lr {k[6:]})", v) for k, v in res.items() if k.startswith("e2e_lr")],
+        "",
+        f"Ratios layer-wise / e2e: wall time {lw['train_wall_s'] / e2e['train_wall_s']:.2f}, "
+        f"peak memory {lw['peak_rss_mb'] / e2e['peak_rss_mb']:.2f}.",
+        "",
+        "## 22-layer drop-only student (8 layers removed by Block Influence), healed by layer-wise distill",
+        "",
+        f"Kept teacher layers: {res.get('bi22_keep')}.",
+        "",
+        "| training tokens | perplexity | training wall (s) | peak RSS (MiB) |",
+        "|---|---|---|---|",
+    ]
+    for t, ppl in res.get("bi22_curve", []):
+        m = res.get(f"bi22_{t}", {})
+        lines.append(f"| {t:,} | {ppl:.2f} | {m.get('train_wall_s', '-')} | {m.get('peak_rss_mb', '-')} |")
+    lines += ["", "![curve](RESULTS-distill-curve.png)", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--train-tokens", type=int, default=8192)
+    ap.add_argument("--curve-tokens", default="2048,4096")
+    ap.add_argument("--eval-tokens", type=int, default=4096)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=2e-3, help="layer-wise learning rate")
+    ap.add_argument("--e2e-lr", default="5e-4,2e-3", help="end-to-end learning rates (first = the headline row)")
+    ap.add_argument("--phase1-fraction", type=float, default=0.25)
+    ap.add_argument("--threads", type=int, default=None, help="default: 1 when the machine is busy, else 2")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/llmc-bench-distill"))
+    ap.add_argument("--eval-model")
+    ap.add_argument("--keep")
+    ap.add_argument("--render", action="store_true", help="only rewrite RESULTS-distill.md from RESULTS-distill.json")
+    a = ap.parse_args()
+    if a.render:
+        res = json.loads((ROOT / "bench" / "RESULTS-distill.json").read_text())
+        (ROOT / "bench" / "RESULTS-distill.md").write_text(render(res) + NOTES)
+        return None
+    if a.eval_model:
+        return _eval_main(a.eval_model, a.keep, a.eval_tokens)
+    import shutil
+
+    shutil.rmtree(a.work / "cache", ignore_errors=True)  # caching is part of the measured layer-wise time
+    threads = a.threads or (1 if os.getloadavg()[0] > 2.5 else 2)
+    common = ["--batch-size", a.batch_size, "--seq-len", a.seq_len, "--cache-dir", a.work / "cache"]
+    e2e_lrs = [float(x) for x in a.e2e_lr.split(",")]
+    lr = {"layerwise": ["--lr", a.lr, "--phase1-fraction", a.phase1_fraction], "e2e": ["--lr", e2e_lrs[0]]}
+    runs = [("layerwise", "layerwise", lr["layerwise"]), ("e2e", "e2e", lr["e2e"])]
+    runs += [(f"e2e_lr{x:g}", "e2e", ["--lr", x]) for x in e2e_lrs[1:]]
+    res: dict = {"settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if v is not None}, "threads": threads,
+                              "loadavg_start": os.getloadavg()}}
+    raw = ROOT / "bench" / "RESULTS-distill.json"
+    t_all = time.perf_counter()
+
+    def save():
+        res["bench_wall_s"] = round(time.perf_counter() - t_all, 1)
+        raw.write_text(json.dumps(res, indent=2))
+
+    for name, mode, extra in runs:
+        res[name] = run_distill(a.work / name, ["--keep-layers", 15, "--mode", mode, "--train-tokens", a.train_tokens, *extra, *common], threads)
+        save()
+    res["teacher_ppl"] = eval_ppl("smollm2-135m", None, a.eval_tokens, threads)
+    res["before_15_ppl"] = eval_ppl("smollm2-135m", keeps(res["layerwise"]["layer_map"]), a.eval_tokens, threads)
+    for name, _, _ in runs:
+        res[name]["after_ppl"] = eval_ppl(str(a.work / name / "student"), None, a.eval_tokens, threads)
+        save()
+    curve = []
+    for i, t in enumerate(int(x) for x in a.curve_tokens.split(",")):
+        m = run_distill(a.work / f"bi22-{t}", ["--keep-layers", 22, "--select", "bi", "--train-tokens", t, *lr["layerwise"], *common], threads)
+        if i == 0:
+            res["bi22_keep"] = keeps(m["layer_map"])
+            curve.append((0, eval_ppl("smollm2-135m", res["bi22_keep"], a.eval_tokens, threads)))
+        curve.append((t, eval_ppl(str(a.work / f"bi22-{t}" / "student"), None, a.eval_tokens, threads)))
+        res["bi22_curve"] = curve
+        res[f"bi22_{t}"] = {k: m.get(k) for k in ("train_wall_s", "peak_rss_mb", "cache_s", "phase1_s", "phase2_s")}
+        save()
+    plot(curve, res["teacher_ppl"], ROOT / "bench" / "RESULTS-distill-curve.png")
+    res["loadavg_end"] = os.getloadavg()
+    save()
+    (ROOT / "bench" / "RESULTS-distill.md").write_text(render(res) + NOTES)
+    print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

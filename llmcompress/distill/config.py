@@ -1,0 +1,124 @@
+"""Typed configuration of a distillation run (`llmcompress distill` and `distill()` build the same object)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from enum import Enum
+from typing import Any
+
+
+class Mode(str, Enum):
+    """Training scheme: layer-wise curriculum, or the conventional end-to-end baseline."""
+
+    LAYERWISE = "layerwise"
+    E2E = "e2e"
+
+
+class Select(str, Enum):
+    """How `keep_layers` picks the teacher layers a removal student keeps."""
+
+    UNIFORM = "uniform"
+    BI = "bi"  # Block Influence: drop the layers whose output is most like their input
+
+
+class HiddenLoss(str, Enum):
+    """Per-token hidden-state loss of a segment."""
+
+    MSE = "mse"  # MSE normalised by the target's mean square (scale-free, comparable across segments)
+    COSINE = "cosine"
+
+
+class CacheDtype(str, Enum):
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+
+@dataclass
+class DistillConfig:
+    """Everything that decides the result of a run (the config hash covers all of it).
+
+    Attributes:
+        teacher: teacher model spec (alias, directory, ...).
+        keep_layers: student = teacher with only this many layers kept (exclusive with `student`).
+        student: path of a student checkpoint whose layers map onto the teacher (manifest `layer_map`).
+        select: how removal picks the kept layers (uniform or Block Influence).
+        mode: layer-wise curriculum or end-to-end baseline.
+        train_tokens: training budget: tokens each student layer is trained on (both modes).
+        segments: number of segments (None: one per student layer).
+        data / data_split: training text (named dataset, file or `self`).
+        seq_len / batch_size: block length and blocks per optimiser step.
+        lr / weight_decay: AdamW settings; lr None = 2e-3 layer-wise, 5e-4 e2e (tuned on smollm2, see
+            bench/RESULTS-distill.md); cosine decay to 10% within each segment / run.
+        hidden_loss: per-token loss on segment outputs.
+        kl_weight / kl_temperature: weight and temperature of the logit KL (last segment, e2e).
+        kl_positions: fraction of positions the last segment's logit KL is computed on (saves head FLOPs).
+        phase1_fraction: share of each segment's token budget spent on teacher inputs (phase 1).
+        mix_start / mix_end: weight of the student's own input at the start/end of phase 2.
+        e2e_steps: end-to-end logit-distillation steps after the layer-wise phases.
+        cache_dtype / cache_dir / prefetch: teacher feature cache settings (one shard = one batch).
+        eval_tokens: tokens of WikiText-2 raw test for the report's perplexities (0 skips).
+        threads: torch intra-op threads (None: torch's default). On a shared CPU, 1 can be much faster.
+        seed: everything random derives from it (per segment: seed + segment index).
+    """
+
+    teacher: str = "smollm2-135m"
+    keep_layers: int | None = None
+    student: str | None = None
+    select: Select = Select.UNIFORM
+    mode: Mode = Mode.LAYERWISE
+    train_tokens: int = 16384
+    segments: int | None = None
+    data: str = "wikitext2"
+    data_split: str | None = "valid"
+    seq_len: int = 256
+    batch_size: int = 4
+    lr: float | None = None
+    weight_decay: float = 0.0
+    hidden_loss: HiddenLoss = HiddenLoss.MSE
+    kl_weight: float = 1.0
+    kl_temperature: float = 1.0
+    kl_positions: float = 0.25
+    phase1_fraction: float = 0.25
+    mix_start: float = 0.0
+    mix_end: float = 1.0
+    e2e_steps: int = 0
+    cache_dtype: CacheDtype = CacheDtype.BF16
+    cache_dir: str | None = None
+    prefetch: int = 2
+    eval_tokens: int = 8192
+    eval_seq_len: int = 512
+    seed: int = 0
+    threads: int | None = None
+    version: int = 1
+
+    def __post_init__(self) -> None:
+        self.select = Select(self.select)
+        self.mode = Mode(self.mode)
+        self.hidden_loss = HiddenLoss(self.hidden_loss)
+        self.cache_dtype = CacheDtype(self.cache_dtype)
+
+    @property
+    def learning_rate(self) -> float:
+        if self.lr is not None:
+            return self.lr
+        return 2e-3 if self.mode == Mode.LAYERWISE else 5e-4
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {k: (v.value if isinstance(v, Enum) else v) for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DistillConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown DistillConfig keys: {sorted(unknown)}")
+        return cls(**d)
+
+    def result_dict(self) -> dict[str, Any]:
+        """The fields that decide the trained weights (for resume checks; excludes eval/cache placement)."""
+        d = self.to_dict()
+        for k in ("eval_tokens", "eval_seq_len", "cache_dir", "prefetch", "e2e_steps", "threads"):
+            d.pop(k)
+        return d

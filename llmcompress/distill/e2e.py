@@ -1,0 +1,111 @@
+"""The baseline: conventional end-to-end logit distillation (teacher and student both in memory).
+
+Same data, token budget, optimiser and trainable set (the student's decoder layers; embeddings, final
+norm and head frozen and shared in value with the teacher) as the layer-wise run, so the two compare
+side by side. KL(teacher || student) on every position's logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import TYPE_CHECKING
+
+from llmcompress.distill import curriculum as cur
+from llmcompress.distill import losses
+
+if TYPE_CHECKING:
+    from llmcompress.distill.engine import _Run
+
+
+def build_student(run: _Run, teacher, keep: list[int] | None):
+    """A removal student (a copy of the teacher with `keep` layers) or the checkpoint in cfg.student."""
+    from llmcompress.io.load import load_model
+    from llmcompress.io.surgery import keep_layers
+
+    if keep is not None:
+        return keep_layers(copy.deepcopy(teacher), keep)
+    return load_model(run.cfg.student, device=run.device).model
+
+
+def train_e2e(run: _Run, teacher, keep: list[int] | None, blocks):
+    """Train the student for ceil(train_tokens / tokens_per_step) steps of full-logit KL; returns it."""
+    import torch
+
+    from llmcompress.distill.engine import _eval_ppl
+    from llmcompress.progress import bar
+
+    cfg = run.cfg
+    student = build_student(run, teacher, keep)
+    student.requires_grad_(False)
+    teacher.requires_grad_(False)
+    if run.dist.is_main and cfg.eval_tokens > 0:
+        t_eval = time.perf_counter()
+        run.state["student_ppl_before"] = _eval_ppl(student, run.tokenizer, cfg)
+        run.state["eval_before_s"] = round(time.perf_counter() - t_eval, 2)
+    from llmcompress.io.adapters import get_adapter
+
+    params = [p for layer in get_adapter(student).decoder_layers(student) for p in layer.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    steps = max(1, math.ceil(cfg.train_tokens / (cfg.batch_size * cfg.seq_len)))
+    n_batches = len(blocks) // cfg.batch_size
+    order = cur.epoch_order(n_batches, steps, seed=cfg.seed + 3)
+    torch.manual_seed(cfg.seed)
+    layers = get_adapter(student).decoder_layers(student)
+    start = _restore(run, layers, opt, steps)
+    every = max(1, steps // 4)
+    with bar("end-to-end distillation", total=steps) as b:
+        b.advance(start)
+        for step, j in enumerate(order):
+            if step < start:
+                continue
+            ids = blocks[j * cfg.batch_size : (j + 1) * cfg.batch_size].to(run.device)
+            for g in opt.param_groups:
+                g["lr"] = cur.lr_at(step, steps, cfg.learning_rate)
+            with torch.no_grad():
+                t_logits = teacher(input_ids=ids, use_cache=False).logits
+            s_logits = student(input_ids=ids, use_cache=False).logits
+            loss = losses.kl_logits(s_logits, t_logits, cfg.kl_temperature)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            run.log({"phase": "e2e", "step": step, "loss": loss.item()})
+            b.advance(info=f"kl={loss.item():.4f}")
+            del t_logits, s_logits, loss
+            if (step + 1) % every == 0 and step + 1 < steps:
+                _checkpoint(run, layers, opt, step + 1, steps)
+    for p in params:
+        p.requires_grad_(False)
+        p.grad = None
+    return student.eval()
+
+
+def _checkpoint(run: _Run, layers, opt, step: int, steps: int) -> None:
+    """Student layers + optimiser state after `step` steps, written atomically (for --resume)."""
+    import os
+
+    import torch
+
+    path = run.work / "e2e-checkpoint.pt"
+    tmp = path.with_suffix(".tmp")
+    torch.save({"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict()}, tmp)
+    os.replace(tmp, path)
+
+
+def _restore(run: _Run, layers, opt, steps: int) -> int:
+    """Step to continue from (0 without a matching checkpoint)."""
+    import torch
+
+    path = run.work / "e2e-checkpoint.pt"
+    if not path.is_file():
+        return 0
+    st = torch.load(path, weights_only=True)
+    if st["steps"] != steps:
+        return 0
+    layers.load_state_dict(st["layers"])
+    opt.load_state_dict(st["opt"])
+    return int(st["step"])

@@ -1,0 +1,520 @@
+"""Orchestration: plan the student, cache teacher features, train segments (curriculum), or run e2e.
+
+`distill(cfg, out)` is the single entry point (the CLI and torchrun call it). Layer-wise mode:
+
+1. load the teacher and the training blocks; plan the student (removal: uniform / Block Influence keep
+   list; or a checkpoint's `layer_map`); lay out segments;
+2. compute the teacher's boundary features once (micro-batched) into a sharded cache keyed by
+   (teacher, data, boundaries, dtype); free the teacher (removal students are cut from it in place);
+3. phase 1: segments in difficulty order, on teacher inputs (spread over ranks when distributed);
+4. phase 2 (rank 0): segments in network order, inputs mixed from teacher features to the student
+   prefix's own outputs on a schedule; after each segment its outputs are propagated into a student
+   feature cache for the next one;
+5. optional end-to-end logit KL steps from the cached final teacher states; save, evaluate, report.
+
+Every finished segment's weights and the run state are written atomically under `OUT/work/`, so
+`resume=True` continues from the last finished segment.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import resource
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmcompress.distill import curriculum as cur
+from llmcompress.distill import losses
+from llmcompress.distill.cache import (
+    FeatureCache,
+    build_teacher_cache,
+    cache_key,
+    prefetch,
+    torch_dtype,
+)
+from llmcompress.distill.config import DistillConfig, Mode
+from llmcompress.distill.dist import DistInfo
+from llmcompress.distill.plan import check_config, load_blocks, plan_student, prepare_out
+from llmcompress.distill.segments import (
+    Segment,
+    segment_layout,
+    teacher_boundaries,
+)
+from llmcompress.io.atomic import append_jsonl, write_json
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@dataclass
+class DistillResult:
+    out_dir: Path
+    student_dir: Path | None
+    layer_map: list[dict]
+    segments: list[Segment]
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Run:
+    """What the phases share: config, model, layout, caches, paths, state."""
+
+    cfg: DistillConfig
+    out: Path
+    dist: DistInfo
+    device: Any
+    model: Any = None
+    tokenizer: Any = None
+    segments: list[Segment] = field(default_factory=list)
+    teacher: FeatureCache | None = None
+    norm: Any = None  # the teacher's frozen final norm and head (logit KL targets)
+    head: Any = None
+    state: dict = field(default_factory=dict)
+    log_buffer: list = field(default_factory=list)
+
+    @property
+    def work(self) -> Path:
+        return self.out / "work"
+
+    def layers(self, seg: Segment) -> list:
+        from llmcompress.io.adapters import get_adapter
+
+        return list(get_adapter(self.model).decoder_layers(self.model))[seg.student_start : seg.student_end]
+
+    def log(self, record: dict) -> None:
+        if self.dist.is_main:
+            append_jsonl(self.out / "train_log.jsonl", record)
+        else:
+            self.log_buffer.append(record)
+
+    def save_state(self) -> None:
+        if self.dist.is_main:
+            write_json(self.work / "state.json", self.state)
+
+
+# ---------------------------------------------------------------------------------------- training
+
+
+def _forward_segment(run: _Run, seg: Segment, x):
+    from llmcompress.io.forward import run_layers
+
+    return run_layers(run.model, x, run.layers(seg), seg.student_layers, output="hidden")
+
+
+def _segment_loss(run: _Run, seg: Segment, x, y, *, step_seed: int, with_kl: bool = True):
+    """Hidden loss of segment `seg` on input x vs teacher target y, plus logit KL for the last segment."""
+    import torch
+
+    cfg = run.cfg
+    out = _forward_segment(run, seg, x)
+    loss = losses.hidden_loss(cfg.hidden_loss.value, out, y)
+    parts = {"hidden": float(loss.detach())}
+    if with_kl and seg.index == len(run.segments) - 1 and cfg.kl_weight > 0:
+        t = y.shape[1]
+        n = max(1, round(cfg.kl_positions * t))
+        pos = torch.randperm(t, generator=torch.Generator().manual_seed(step_seed))[:n].sort().values.to(y.device)
+        with torch.no_grad():
+            t_logits = run.head(run.norm(y[:, pos]))
+        s_logits = run.head(run.norm(out[:, pos]))
+        kl = losses.kl_logits(s_logits, t_logits, cfg.kl_temperature)
+        parts["kl"] = float(kl.detach())
+        loss = loss + cfg.kl_weight * kl
+    return loss, parts
+
+
+def _to(t, run: _Run):
+    return t.to(run.device, dtype=next(run.model.parameters()).dtype)
+
+
+def _student_cache(run: _Run, level: int) -> FeatureCache:
+    return FeatureCache(run.work / f"student-features-{level}")
+
+
+def _loader(run: _Run, seg: Segment, phase: int):
+    """Shard index -> (input, target) features; phase 2 loads the student's own input too."""
+    k = seg.index
+    teacher = run.teacher
+    student = _student_cache(run, k) if phase == 2 and k > 0 else None
+
+    def load(i: int):
+        t = teacher.read(i, [f"b{k}", f"b{k + 1}"])
+        s = student.read(i - run.state["phase2_first_shard"], ["h"])["h"] if student is not None else None
+        return t[f"b{k}"], s, t[f"b{k + 1}"]
+
+    return load
+
+
+def _train_segment(run: _Run, seg: Segment, *, phase: int, steps: int, shards: list[int]) -> list[float]:
+    import torch
+
+    from llmcompress.progress import bar
+
+    cfg = run.cfg
+    torch.manual_seed(cfg.seed * 1000 + 10 * seg.index + phase)
+    params = [p for layer in run.layers(seg) for p in layer.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    order = cur.epoch_order(len(shards), steps, seed=cfg.seed * 1000 + 10 * seg.index + phase)
+    history = []
+    with bar(f"phase {phase} segment {seg.index}", total=steps) as b:
+        batches = prefetch(_loader(run, seg, phase), [shards[j] for j in order], depth=cfg.prefetch)
+        for step, (x_t, x_s, y) in enumerate(batches):
+            alpha = cur.mix_weight(step, steps, cfg.mix_start, cfg.mix_end) if x_s is not None else 0.0
+            x = cur.mix_inputs(_to(x_t, run), _to(x_s, run), alpha) if x_s is not None else _to(x_t, run)
+            for g in opt.param_groups:
+                g["lr"] = cur.lr_at(step, steps, cfg.learning_rate)
+            loss, parts = _segment_loss(run, seg, x, _to(y, run), step_seed=cfg.seed * 100003 + step * 101 + seg.index)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            history.append(loss.item())
+            run.log({"phase": phase, "segment": seg.index, "step": step, "loss": loss.item(), **parts, "mix": round(alpha, 4)})
+            b.advance(info=f"loss={loss.item():.4f}")
+    for p in params:
+        p.requires_grad_(False)
+        p.grad = None
+    return history
+
+
+def _segment_file(run: _Run, seg: Segment, phase: int) -> Path:
+    return run.work / f"segment-{seg.index:03d}-phase{phase}.safetensors"
+
+
+def _segment_state(run: _Run, seg: Segment) -> dict:
+    return {f"{i}.{k}": v.detach().cpu().contiguous() for i, layer in enumerate(run.layers(seg)) for k, v in layer.state_dict().items()}
+
+
+def _save_segment(run: _Run, seg: Segment, phase: int, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    path = _segment_file(run, seg, phase)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _load_segment(run: _Run, seg: Segment, phase: int) -> None:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(_segment_file(run, seg, phase)))
+    for i, layer in enumerate(run.layers(seg)):
+        sd = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}
+        layer.load_state_dict(sd)
+
+
+def _initial_losses(run: _Run, shard: int) -> dict[int, float]:
+    """Difficulty of each segment: its hidden loss on one batch of teacher inputs, before training."""
+    import torch
+
+    out = {}
+    with torch.no_grad():
+        for seg in run.segments:
+            x, _, y = _loader(run, seg, 1)(shard)
+            loss, _ = _segment_loss(run, seg, _to(x, run), _to(y, run), step_seed=0, with_kl=False)
+            out[seg.index] = loss.item()
+    return out
+
+
+def _phase1(run: _Run, steps: int, shards: list[int]) -> None:
+    """Difficulty order, teacher inputs; each rank trains its share, rank 0 assembles."""
+    order = run.state["order"]
+    mine = cur.assign_ranks(order, run.dist.world_size, {s.index: s.student_end - s.student_start for s in run.segments})[run.dist.rank]
+    done = set(run.state["phase1_done"])
+    trained = {}
+    for k in mine:
+        seg = run.segments[k]
+        if k in done:
+            continue
+        _train_segment(run, seg, phase=1, steps=steps, shards=shards)
+        if run.dist.active:
+            trained[k] = _segment_state(run, seg)
+        else:
+            _save_segment(run, seg, 1, _segment_state(run, seg))
+            run.state["phase1_done"].append(k)
+            run.save_state()
+    if run.dist.active:
+        gathered = run.dist.gather((trained, run.log_buffer))
+        run.log_buffer = []
+        if run.dist.is_main:
+            for part, records in gathered:
+                for rec in records:
+                    append_jsonl(run.out / "train_log.jsonl", rec)
+                for k, tensors in part.items():
+                    _save_segment(run, run.segments[k], 1, tensors)
+                    run.state["phase1_done"].append(k)
+            run.save_state()
+        run.dist.barrier()
+    for k in sorted(run.state["phase1_done"] if run.dist.is_main else []):
+        _load_segment(run, run.segments[k], 1)
+
+
+def _propagate(run: _Run, seg: Segment, shards: list[int]) -> None:
+    """Student features after segment `seg`, from the student's own features before it (phase 2 shards)."""
+    import torch
+
+    from llmcompress.progress import track
+
+    src = _student_cache(run, seg.index) if seg.index > 0 else None
+    dst = _student_cache(run, seg.index + 1)
+    dtype = torch_dtype(run.cfg.cache_dtype.value)
+    first = run.state["phase2_first_shard"]
+
+    def load(i):
+        return src.read(i - first, ["h"])["h"] if src is not None else run.teacher.read(i, ["b0"])["b0"]
+
+    def outputs():
+        with torch.no_grad():
+            for h in track(prefetch(load, shards, depth=run.cfg.prefetch), f"propagating segment {seg.index}", total=len(shards)):
+                yield {"h": _forward_segment(run, seg, _to(h, run)).to("cpu", dtype)}
+
+    dst.write(outputs(), key=f"level{seg.index + 1}")
+    if src is not None:
+        src.clear()
+
+
+def _phase2(run: _Run, steps: int, shards: list[int]) -> None:
+    """Network order; inputs go from teacher features to the trained student prefix's outputs."""
+    for seg in run.segments:
+        k = seg.index
+        if k in run.state["phase2_done"]:
+            _load_segment(run, seg, 2)
+            continue
+        if k > 0 and not _student_cache(run, k).is_complete(f"level{k}"):
+            for prev in run.segments[:k]:  # resumed after an interrupted propagation: rebuild the inputs
+                if not _student_cache(run, prev.index + 1).is_complete(f"level{prev.index + 1}"):
+                    _propagate(run, prev, shards)
+        _train_segment(run, seg, phase=2, steps=steps, shards=shards)
+        _save_segment(run, seg, 2, _segment_state(run, seg))
+        run.state["phase2_done"].append(k)
+        run.save_state()
+        if k < len(run.segments) - 1:
+            _propagate(run, seg, shards)
+    for k in range(len(run.segments) + 1):
+        _student_cache(run, k).clear()
+
+
+def _e2e_from_cache(run: _Run, steps: int) -> None:
+    """End-to-end logit KL on the whole student, teacher logits from the cached final teacher states."""
+    import torch
+
+    from llmcompress.progress import bar
+
+    cfg = run.cfg
+    last = f"b{len(run.segments)}"
+    params = [p for seg in run.segments for layer in run.layers(seg) for p in layer.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate * 0.25, weight_decay=cfg.weight_decay)
+    order = cur.epoch_order(run.teacher.n_shards, steps, seed=cfg.seed + 7)
+    with bar("end-to-end steps", total=steps) as b:
+        for step, sh in enumerate(prefetch(lambda i: run.teacher.read(i, ["ids", last]), order, depth=cfg.prefetch)):
+            for g in opt.param_groups:
+                g["lr"] = cur.lr_at(step, steps, cfg.learning_rate * 0.25)
+            with torch.no_grad():
+                t_logits = run.head(run.norm(_to(sh[last], run)))
+            s_logits = run.model(input_ids=sh["ids"].to(run.device), use_cache=False).logits
+            loss = losses.kl_logits(s_logits, t_logits, cfg.kl_temperature)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            run.log({"phase": "e2e", "step": step, "loss": loss.item()})
+            b.advance(info=f"kl={loss.item():.4f}")
+    for p in params:
+        p.requires_grad_(False)
+        p.grad = None
+
+
+# ------------------------------------------------------------------------------------------ runs
+
+
+def _eval_ppl(model, tokenizer, cfg: DistillConfig) -> float | None:
+    if cfg.eval_tokens <= 0 or tokenizer is None:
+        return None
+    from llmcompress.eval.perplexity import perplexity
+
+    return perplexity(model, tokenizer, "wikitext2", seq_len=cfg.eval_seq_len, max_tokens=cfg.eval_tokens)["ppl"]
+
+
+def _n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def distill(
+    cfg: DistillConfig,
+    out: Path,
+    *,
+    device: str = "cpu",
+    overwrite: bool = False,
+    resume: bool = False,
+    dist: DistInfo | None = None,
+) -> DistillResult:
+    """Distil a smaller student from `cfg.teacher` into `out` (see the module docstring).
+
+    Args:
+        cfg: the run's settings.
+        out: output directory (student/, train_log.jsonl, report.md, metrics.json, work/).
+        device: "cpu", "cuda" or "auto".
+        overwrite: replace an existing `out`.
+        resume: continue an interrupted run in `out` (same settings required).
+        dist: this process's place in a torch.distributed group (None: single process).
+    """
+    import torch
+
+    from llmcompress.io.load import load_model
+    from llmcompress.runtime import resolve_device, seed_everything
+
+    check_config(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    dist = dist or DistInfo()
+    out = Path(out)
+    t_start = time.perf_counter()
+    dev, _ = resolve_device(device)
+    state = prepare_out(cfg, out, overwrite, resume, dist)
+    state = dist.broadcast(state)
+    seed_everything(cfg.seed)
+    lm = load_model(cfg.teacher, device=dev)
+    blocks, data_label = load_blocks(lm.tokenizer, cfg, lm.model)
+    layer_map, keep = plan_student(cfg, lm.model, blocks)
+    n_teacher = lm.model.config.num_hidden_layers
+    segments = segment_layout(layer_map, n_teacher, cfg.segments)
+    metrics: dict[str, Any] = {"mode": cfg.mode.value, "data": data_label, "train_tokens": cfg.train_tokens,
+                               "unique_tokens": int(blocks.numel()), "teacher_layers": n_teacher,
+                               "student_layers": len(layer_map), "segments": [s.to_dict() for s in segments],
+                               "teacher_parameters": _n_params(lm.model)}
+    if dist.is_main and cfg.eval_tokens > 0:
+        metrics["teacher_ppl"] = _eval_ppl(lm.model, lm.tokenizer, cfg)
+    t_train = time.perf_counter()
+    run = _Run(cfg, out, dist, dev, tokenizer=lm.tokenizer, segments=segments, state=state)
+    run.work.mkdir(parents=True, exist_ok=True)
+    if cfg.mode == Mode.E2E and not dist.is_main:  # the baseline is single-process; other ranks idle
+        return DistillResult(out, None, layer_map, segments, metrics)
+    if cfg.mode == Mode.E2E:
+        from llmcompress.distill.e2e import train_e2e
+
+        student = train_e2e(run, lm.model, keep, blocks)
+        metrics["student_ppl_before"] = run.state.pop("student_ppl_before", None)
+        metrics["eval_before_s"] = run.state.pop("eval_before_s", 0.0)
+        lm.model = None
+    else:
+        student = _layerwise(run, lm, keep, blocks, metrics)
+    metrics["train_wall_s"] = round(time.perf_counter() - t_train - metrics.get("eval_before_s", 0.0), 2)  # evaluation excluded
+    metrics["peak_rss_mb"] = round(peak_rss_mb(), 1)
+    if not dist.is_main:
+        return DistillResult(out, None, layer_map, segments, metrics)
+    metrics["student_parameters"] = _n_params(student)
+    if cfg.eval_tokens > 0:
+        metrics["student_ppl"] = _eval_ppl(student, run.tokenizer, cfg)
+    metrics["wall_s"] = round(time.perf_counter() - t_start, 2)
+    student_dir = _save(run, student, lm, layer_map, metrics)
+    from llmcompress.distill.report import write_report
+
+    write_report(out, cfg, metrics)
+    return DistillResult(out, student_dir, layer_map, segments, metrics)
+
+
+def _layerwise(run: _Run, lm, keep: list[int] | None, blocks, metrics: dict):
+    """Cache, free the teacher, phases 1 and 2, optional e2e steps; returns the trained student model."""
+    import torch
+
+    from llmcompress.io.adapters import get_adapter
+    from llmcompress.io.checkpoint import weights_hash
+    from llmcompress.io.load import load_model
+    from llmcompress.io.surgery import keep_layers
+    from llmcompress.paths import cache_dir
+
+    cfg = run.cfg
+    boundaries = teacher_boundaries(run.segments)
+    teacher_id = lm.source_hash or weights_hash(lm.model)
+    key = cache_key("distill-features-v1", teacher_id, blocks, boundaries, cfg.cache_dtype.value, cfg.batch_size)
+    root = Path(cfg.cache_dir) if cfg.cache_dir else cache_dir() / "distill-features"
+    t0 = time.perf_counter()
+    if run.dist.is_main:
+        run.teacher = build_teacher_cache(lm.model, blocks, boundaries, key=key, root=root / key, batch_size=cfg.batch_size, dtype=cfg.cache_dtype.value, device=run.device)
+    run.dist.barrier()
+    if not run.dist.is_main:
+        run.teacher = build_teacher_cache(lm.model, blocks, boundaries, key=key, root=root / key, batch_size=cfg.batch_size, dtype=cfg.cache_dtype.value, device=run.device)
+    metrics["cache_s"] = round(time.perf_counter() - t0, 2)
+    metrics["cache_dir"] = str(root / key)
+    adapter = get_adapter(lm.model)
+    if keep is not None:  # the student is the teacher with layers cut out, in place: the rest is freed
+        model = keep_layers(lm.model, keep)
+        run.norm, run.head = adapter.norm(model), adapter.head(model)
+    else:
+        run.norm, run.head = copy.deepcopy(adapter.norm(lm.model)), copy.deepcopy(adapter.head(lm.model))
+        lm.model = None
+        gc.collect()
+        model = load_model(cfg.student, device=run.device).model
+    lm.model = None
+    gc.collect()
+    model.requires_grad_(False)
+    run.norm.requires_grad_(False)
+    run.head.requires_grad_(False)
+    run.model = model
+    if run.dist.is_main and cfg.eval_tokens > 0:
+        t_eval = time.perf_counter()
+        metrics["student_ppl_before"] = _eval_ppl(model, run.tokenizer, cfg)
+        metrics["eval_before_s"] = round(time.perf_counter() - t_eval, 2)
+    n_shards = run.teacher.n_shards
+    steps1, steps2 = cur.split_steps(cfg.train_tokens, cfg.batch_size * cfg.seq_len, cfg.phase1_fraction)
+    split = min(max(1, round(n_shards * cfg.phase1_fraction)), n_shards)
+    p1_shards = list(range(split)) if split > 0 else list(range(n_shards))
+    p2_shards = list(range(split, n_shards)) or list(range(n_shards))
+    run.state["phase2_first_shard"] = p2_shards[0]
+    if "order" not in run.state:
+        losses0 = _initial_losses(run, p1_shards[0])
+        run.state["initial_losses"] = {str(k): v for k, v in losses0.items()}
+        run.state["order"] = cur.difficulty_order(losses0)
+        run.save_state()
+    run.state = run.dist.broadcast(run.state)  # every rank splits the same order
+    metrics.update(initial_losses=run.state["initial_losses"], order=run.state["order"], steps_phase1=steps1, steps_phase2=steps2)
+    t1 = time.perf_counter()
+    if steps1 > 0:
+        _phase1(run, steps1, p1_shards)
+    metrics["phase1_s"] = round(time.perf_counter() - t1, 2)
+    if not run.dist.is_main:
+        return model
+    t2 = time.perf_counter()
+    if steps2 > 0:
+        _phase2(run, steps2, p2_shards)
+    metrics["phase2_s"] = round(time.perf_counter() - t2, 2)
+    if cfg.e2e_steps > 0:
+        t3 = time.perf_counter()
+        if not run.state.get("e2e_done"):
+            _e2e_from_cache(run, cfg.e2e_steps)
+            torch.save({k: v for k, v in model.state_dict().items()}, run.work / "e2e.pt.tmp")
+            os.replace(run.work / "e2e.pt.tmp", run.work / "e2e.pt")
+            run.state["e2e_done"] = True
+            run.save_state()
+        else:
+            model.load_state_dict(torch.load(run.work / "e2e.pt"))
+        metrics["e2e_s"] = round(time.perf_counter() - t3, 2)
+    return model
+
+
+def _save(run: _Run, student, lm, layer_map: list[dict], metrics: dict) -> Path:
+    from llmcompress.io.checkpoint import build_manifest, save_checkpoint
+
+    manifest = build_manifest(
+        source=run.cfg.teacher, source_hash=lm.source_hash, method=f"distill-{run.cfg.mode.value}",
+        config=run.cfg.to_dict(), metrics={k: v for k, v in metrics.items() if k not in ("segments",)},
+        extra={"layer_map": layer_map, "segments": metrics["segments"]},
+    )
+    student.eval()
+    path = save_checkpoint(student, run.tokenizer, run.out / "student", manifest=manifest, overwrite=True)
+    write_json(run.out / "metrics.json", metrics)
+    return path

@@ -1,0 +1,46 @@
+"""Distillation losses: tensor in, scalar tensor out (pure; differentiable)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def normalized_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-token relative squared error ||pred - target||^2 / ||target||^2, averaged over tokens.
+
+    Normalising each token by its own target energy makes the loss scale-free (hidden-state scale grows
+    with depth, so segments become comparable for the difficulty ordering) and stops a few huge-norm
+    tokens (attention sinks, whose states are easy to reproduce) from dominating the gradient.
+    """
+    p, t = pred.float(), target.float()
+    energy = t.pow(2).sum(-1)
+    err = (p - t).pow(2).sum(-1)
+    return (err / energy.clamp_min(energy.mean().detach() * 1e-6 + 1e-12)).mean()
+
+
+def cosine_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of 1 - cos(pred, target) along the hidden dimension."""
+    import torch.nn.functional as F
+
+    return (1.0 - F.cosine_similarity(pred.float(), target.float(), dim=-1)).mean()
+
+
+def hidden_loss(kind: str, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if kind == "mse":
+        return normalized_mse(pred, target)
+    if kind == "cosine":
+        return cosine_loss(pred, target)
+    raise ValueError(f"unknown hidden loss {kind!r}")
+
+
+def kl_logits(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """KL(teacher || student) per token, averaged over tokens, scaled by T^2 (Hinton et al.)."""
+    import torch.nn.functional as F
+
+    t = temperature
+    s = F.log_softmax(student_logits.float().flatten(0, -2) / t, dim=-1)  # (N, V)
+    p = F.log_softmax(teacher_logits.float().flatten(0, -2) / t, dim=-1)
+    return F.kl_div(s, p, log_target=True, reduction="batchmean") * (t * t)

@@ -1,0 +1,60 @@
+"""report.md: teacher and student perplexity, parameters, wall time, peak memory (atomic write)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from llmcompress.io.atomic import write_text
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "not measured"
+    if isinstance(v, float):
+        return f"{v:,.2f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def render(cfg, metrics: dict[str, Any]) -> str:
+    rows = [
+        ("mode", metrics.get("mode")),
+        ("teacher", cfg.teacher),
+        ("student", cfg.student or f"{cfg.keep_layers} layers kept ({cfg.select.value})"),
+        ("layers (teacher -> student)", f"{metrics.get('teacher_layers')} -> {metrics.get('student_layers')}"),
+        ("parameters (teacher -> student)", f"{_fmt(metrics.get('teacher_parameters'))} -> {_fmt(metrics.get('student_parameters'))}"),
+        ("training data", metrics.get("data")),
+        ("training tokens (budget / unique)", f"{_fmt(metrics.get('train_tokens'))} / {_fmt(metrics.get('unique_tokens'))}"),
+        ("teacher perplexity", metrics.get("teacher_ppl")),
+        ("student perplexity before", metrics.get("student_ppl_before")),
+        ("student perplexity after", metrics.get("student_ppl")),
+        ("training wall time (s, without evaluation)", metrics.get("train_wall_s")),
+        ("total wall time (s)", metrics.get("wall_s")),
+        ("peak resident memory (MiB)", metrics.get("peak_rss_mb")),
+    ]
+    for key, label in (("cache_s", "feature caching (s)"), ("phase1_s", "phase 1 (s)"), ("phase2_s", "phase 2 (s)"), ("e2e_s", "end-to-end steps (s)")):
+        if key in metrics:
+            rows.append((label, metrics[key]))
+    lines = ["# llmcompress distill report", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in rows]
+    ppl = f"WikiText-2 raw test, first {cfg.eval_tokens} tokens, seq-len {cfg.eval_seq_len}"
+    lines += ["", f"Perplexity: {ppl}. Peak memory: ru_maxrss of this process (includes loading the teacher)."]
+    if "order" in metrics:
+        lines += ["", "## Segments", "", "| segment | teacher layers | student layers | initial loss | difficulty rank |", "|---|---|---|---|---|"]
+        rank = {k: i for i, k in enumerate(metrics["order"])}
+        for seg in metrics["segments"]:
+            k = seg["index"]
+            lines.append(
+                f"| {k} | {seg['teacher_start']}..{seg['teacher_end'] - 1} | {seg['student_start']}..{seg['student_end'] - 1} "
+                f"| {metrics['initial_losses'].get(str(k), float('nan')):.4f} | {rank.get(k, '-')} |"
+            )
+    lines += ["", "Settings: " + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()), ""]
+    return "\n".join(lines)
+
+
+def write_report(out: Path, cfg, metrics: dict[str, Any]) -> Path:
+    path = Path(out) / "report.md"
+    write_text(path, render(cfg, metrics))
+    return path
