@@ -1,7 +1,8 @@
 """Benchmark: ZipCCL vs zipnn vs zstd-3 (raw and byte-separated), ratio and MB/s at 1 and 2 threads.
 
 Run: .venv/bin/python bench/bench_zip.py [--quick] [--skip-model] [--skip-comm]
-One run per cell; ratio = compressed / original; MB/s counts original bytes.
+Best of --repeats (default 3) interleaved runs per cell; ratio = compressed / original; MB/s counts
+original bytes.
 """
 
 from __future__ import annotations
@@ -83,19 +84,28 @@ def bound(tensors) -> float:
     return num / den
 
 
-def table(name, tensors, dtype: str, width: int) -> list[dict]:
+def table(name, tensors, dtype: str, width: int, repeats: int = 3) -> list[dict]:
+    """Every cell is the best of `repeats` runs; the runs of all codecs are interleaved, so a load
+    spike from other jobs on the machine hits them alike."""
     data = _raw(tensors)
+    best: dict[tuple[str, int], list] = {}
+    for _ in range(repeats):
+        for th in (1, 2):
+            for label, fn in [
+                ("ours (ZipCCL)", lambda th=th: bench_ours(tensors, th)),
+                ("zipnn 0.5.4", lambda th=th: bench_zipnn(data, dtype, th)),
+                ("zstd-3", lambda th=th: bench_zstd(data, th)),
+                ("zstd-3 byte-separated", lambda th=th: bench_zstd(data, th, width)),
+            ]:
+                r, c, d = fn()
+                b = best.setdefault((label, th), [r, 0.0, 0.0])
+                b[1], b[2] = max(b[1], c), max(b[2], d)
     rows = []
     for th in (1, 2):
-        for label, fn in [
-            ("ours (ZipCCL)", lambda th=th: bench_ours(tensors, th)),
-            ("zipnn 0.5.4", lambda th=th: bench_zipnn(data, dtype, th)),
-            ("zstd-3", lambda th=th: bench_zstd(data, th)),
-            ("zstd-3 byte-separated", lambda th=th: bench_zstd(data, th, width)),
-        ]:
-            r, c, d = fn()
-            rows.append({"data": name, "codec": label, "threads": th, "ratio": round(r, 4), "comp_MBps": round(c), "decomp_MBps": round(d)})
-            print(json.dumps(rows[-1]), flush=True)
+        for (label, t), (r, c, d) in best.items():
+            if t == th:
+                rows.append({"data": name, "codec": label, "threads": th, "ratio": round(r, 4), "comp_MBps": round(c), "decomp_MBps": round(d)})
+                print(json.dumps(rows[-1]), flush=True)
     rows.append({"data": name, "codec": "order-0 bound", "threads": None, "ratio": round(bound(tensors), 4)})
     print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -119,6 +129,7 @@ def main() -> None:
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--skip-comm", action="store_true")
     ap.add_argument("--json", default=None, help="write all rows to this file")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per cell (best is reported)")
     a = ap.parse_args()
     os.environ.setdefault("LLMCOMPRESS_PROGRESS", "0")
     codec.warmup()
@@ -126,7 +137,7 @@ def main() -> None:
     torch.manual_seed(0)
     n = (8 << 20) if a.quick else (32 << 20)
     g = (torch.randn(n) * 0.02).to(torch.bfloat16)
-    rows += table(f"synthetic N(0,0.02) bf16 {n * 2 >> 20} MB", [g], "bfloat16", 2)
+    rows += table(f"synthetic N(0,0.02) bf16 {n * 2 >> 20} MB", [g], "bfloat16", 2, a.repeats)
     del g
     if not a.skip_model:
         from llmcompress.io.load import load_model
@@ -139,10 +150,10 @@ def main() -> None:
                 seen.add(v.data_ptr())
                 uniq.append(v)
         bf = [v.to(torch.bfloat16) for v in uniq]
-        rows += table(f"SmolLM2-135M bf16 {sum(t.numel() * 2 for t in bf) // 10**6} MB", bf, "bfloat16", 2)
+        rows += table(f"SmolLM2-135M bf16 {sum(t.numel() * 2 for t in bf) // 10**6} MB", bf, "bfloat16", 2, a.repeats)
         del bf
         f32 = [v.float() for v in uniq]
-        rows += table(f"SmolLM2-135M fp32 {sum(t.numel() * 4 for t in f32) // 10**6} MB", f32, "float32", 4)
+        rows += table(f"SmolLM2-135M fp32 {sum(t.numel() * 4 for t in f32) // 10**6} MB", f32, "float32", 4, a.repeats)
     result = {"rows": rows}
     if not a.skip_comm:
         result["comm"] = comm_section()

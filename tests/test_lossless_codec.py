@@ -104,3 +104,50 @@ def test_truncated_blob_is_rejected():
         codec.decompress(blob[: len(blob) // 2])
     with pytest.raises(ValueError):
         codec.decompress(b"junk" + blob[4:])
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_multithreaded_groups_are_compacted_to_identical_bytes(dt, threads):
+    # several thread groups per tensor: their outputs are moved left in place into one payload
+    torch.manual_seed(3)
+    ib = {torch.float32: torch.int32}.get(dt, torch.int16)
+    info = torch.iinfo(ib)
+    noise = torch.randint(info.min, info.max, (7001,), dtype=torch.int64).to(ib).view(dt)  # random bits
+    t = torch.cat([(torch.randn(20011) * 0.02).to(dt), noise, (torch.randn(9000) * 1e3).to(dt)])
+    e1 = _roundtrip(t, chunk_bytes=2048)
+    e2 = _roundtrip(t, chunk_bytes=2048, threads=threads)
+    assert e1.to_bytes() == e2.to_bytes()
+    assert e2.payload.shape[0] == e2.offsets[-1]
+    modes = set(e1.chunk_modes())
+    assert 0 in modes and len(modes) >= 2  # raw fallback and a Huffman mode both exercised
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16, torch.float32])
+def test_long_codes_take_the_slow_path(dt):
+    # exponents spread over a huge range: histogram codes with lengths > LUTBITS inside the
+    # 4-stream main loop (not only in the tail)
+    torch.manual_seed(4)
+    lo, hi = (-24, 15) if dt == torch.float16 else (-120, 120)
+    e = torch.randint(lo, hi, (200003,)).float()
+    w = torch.exp2(e * (torch.rand(200003) < 0.02) + torch.randn(200003) * 0.2 - 6)
+    _roundtrip((w * torch.sign(torch.randn(200003))).to(dt), chunk_bytes=65536)
+
+
+def test_estimate_sigma_matches_numpy_reference():
+    torch.manual_seed(5)
+    for dt, kind in ((torch.bfloat16, codec.KIND_BF16), (torch.float16, codec.KIND_F16), (torch.float32, codec.KIND_F32)):
+        t = torch.cat([torch.randn(50000) * 0.03, torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0])]).to(dt)
+        t = t[torch.randperm(t.numel())]
+        x, _ = codec._flat_view(t)
+        f = t.float().double().numpy()
+        ref = float(np.sqrt(np.mean(f[np.isfinite(f)] ** 2)))
+        assert codec.estimate_sigma(x, kind, samples=1 << 20) == pytest.approx(ref, rel=1e-12)
+    pats = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    for dt, kind in ((torch.bfloat16, codec.KIND_BF16), (torch.float16, codec.KIND_F16)):  # subnormals too
+        f = pats.view(dt).double().numpy()
+        ref = float(np.sqrt(np.mean(f[np.isfinite(f)] ** 2)))
+        x, _ = codec._flat_view(pats.view(dt))
+        assert codec.estimate_sigma(x, kind, samples=1 << 20) == pytest.approx(ref, rel=1e-12)
+    nan = torch.full((10,), float("nan"), dtype=torch.bfloat16)
+    assert codec.estimate_sigma(codec._flat_view(nan)[0], codec.KIND_BF16) == 0.0

@@ -20,8 +20,15 @@ built from the chunk's histogram (computed while splitting, no extra pass), or t
 bytes, so a chunk never grows by more than its 8-byte header plus 3 bytes of padding.
 
 Decoding is table-driven: a 4096-entry table on the next 12 bits yields up to four symbols at
-once; codes longer than 12 bits take a canonical slow path.  The kernels are numba `nogil`
-functions, so chunk groups run in parallel Python threads.  See README.md for the byte format.
+once (four lookups per 64-bit refill, four streams in lockstep); codes longer than 12 bits take a
+canonical slow path.  The kernels are numba `nogil` functions, so chunk groups run in parallel
+Python threads.  See README.md for the byte format.
+
+Performance notes: hot loops index with unsigned ints (`_U`), which removes numba's
+negative-index wraparound code (2x on the bit coders, and lets LLVM merge `_ld64` into one load);
+split/merge loop over slices with narrow types so LLVM vectorizes them; the encoder writes whole
+32-bit words branch-free into a scratch buffer; with threads == 1 a tensor is one group written in
+place, with more threads each group's output is moved left in place (no concatenation copy).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
+from numba import uint64 as _U  # cast indices: no negative-index wraparound code
 
 if TYPE_CHECKING:
     import torch
@@ -214,54 +222,18 @@ def _build_lut(codes):
 # --------------------------------------------------------------------------------------------
 
 
-@njit(cache=True, nogil=True)
-def _huff_encode(syms, a, b, ct, out, pos):
-    """syms[a:b] -> LSB-first bit stream of 32-bit little-endian words at out[pos:]; returns end."""
-    acc = 0
-    nb = 0
-    i = a
-    while i + 1 < b:
-        e = ct[syms[i]]
-        e2 = ct[syms[i + 1]]
-        acc |= (e & 0xFFFF) << nb
-        nb += e >> 16
-        acc |= (e2 & 0xFFFF) << nb
-        nb += e2 >> 16
-        if nb >= 32:
-            out[pos] = acc & 255
-            out[pos + 1] = (acc >> 8) & 255
-            out[pos + 2] = (acc >> 16) & 255
-            out[pos + 3] = (acc >> 24) & 255
-            pos += 4
-            acc >>= 32
-            nb -= 32
-        i += 2
-    if i < b:
-        e = ct[syms[i]]
-        acc |= (e & 0xFFFF) << nb
-        nb += e >> 16
-    while nb > 0:
-        out[pos] = acc & 255
-        out[pos + 1] = (acc >> 8) & 255
-        out[pos + 2] = (acc >> 16) & 255
-        out[pos + 3] = (acc >> 24) & 255
-        pos += 4
-        acc >>= 32
-        nb -= 32
-    return pos
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _ld64(src, q):
+    u = _U(q)  # unsigned: no wraparound code, so LLVM merges this into one 64-bit load
     return (
-        np.int64(src[q])
-        | (np.int64(src[q + 1]) << 8)
-        | (np.int64(src[q + 2]) << 16)
-        | (np.int64(src[q + 3]) << 24)
-        | (np.int64(src[q + 4]) << 32)
-        | (np.int64(src[q + 5]) << 40)
-        | (np.int64(src[q + 6]) << 48)
-        | (np.int64(src[q + 7]) << 56)
+        np.int64(src[u])
+        | (np.int64(src[u + 1]) << 8)
+        | (np.int64(src[u + 2]) << 16)
+        | (np.int64(src[u + 3]) << 24)
+        | (np.int64(src[u + 4]) << 32)
+        | (np.int64(src[u + 5]) << 40)
+        | (np.int64(src[u + 6]) << 48)
+        | (np.int64(src[u + 7]) << 56)
     )
 
 
@@ -283,13 +255,13 @@ def _look(w, lut, slow, dst, i):
     e = lut[w & (LUTSIZE - 1)]
     c = (e >> 32) & 7
     if c != 0:
-        dst[i] = e & 255
-        dst[i + 1] = (e >> 8) & 255
-        dst[i + 2] = (e >> 16) & 255
-        dst[i + 3] = (e >> 24) & 255
+        dst[_U(i)] = e & 255
+        dst[_U(i + 1)] = (e >> 8) & 255
+        dst[_U(i + 2)] = (e >> 16) & 255
+        dst[_U(i + 3)] = (e >> 24) & 255
         return c, (e >> 36) & 15
     s, ln = _slow_sym(w, slow)
-    dst[i] = s
+    dst[_U(i)] = s
     return 1, ln
 
 
@@ -303,11 +275,11 @@ def _decode_tail(src, p, lim, i, iend, lut, slow, dst):
         w = _ld64(src, q) >> (p & 7)
         e = lut[w & (LUTSIZE - 1)]
         if ((e >> 32) & 7) != 0:
-            dst[i] = e & 255
+            dst[_U(i)] = e & 255
             b = (e >> 40) & 15
         else:
             s, b = _slow_sym(w, slow)
-            dst[i] = s
+            dst[_U(i)] = s
             if b == 0:
                 return p, 1
         p += b
@@ -337,14 +309,14 @@ def _decode4(src, pos, slen, n, lut, slow, dst):
     p3 = p2 + l2 * 8
     lim8 = (lim - 8) * 8
     err = 0
-    while i0 + 12 <= e0 and i1 + 12 <= e1 and i2 + 12 <= e2 and i3 + 12 <= n:
+    while i0 + 16 <= e0 and i1 + 16 <= e1 and i2 + 16 <= e2 and i3 + 16 <= n:
         if p0 > lim8 or p1 > lim8 or p2 > lim8 or p3 > lim8:
             return 1
         w0 = _ld64(src, p0 >> 3) >> (p0 & 7)
         w1 = _ld64(src, p1 >> 3) >> (p1 & 7)
         w2 = _ld64(src, p2 >> 3) >> (p2 & 7)
         w3 = _ld64(src, p3 >> 3) >> (p3 & 7)
-        for _ in range(3):
+        for _ in range(4):
             f0 = lut[w0 & MASK]
             f1 = lut[w1 & MASK]
             f2 = lut[w2 & MASK]
@@ -357,40 +329,41 @@ def _decode4(src, pos, slen, n, lut, slow, dst):
             b1 = (f1 >> 36) & 15
             b2 = (f2 >> 36) & 15
             b3 = (f3 >> 36) & 15
-            dst[i0] = f0 & 255
-            dst[i0 + 1] = (f0 >> 8) & 255
-            dst[i0 + 2] = (f0 >> 16) & 255
-            dst[i0 + 3] = (f0 >> 24) & 255
-            dst[i1] = f1 & 255
-            dst[i1 + 1] = (f1 >> 8) & 255
-            dst[i1 + 2] = (f1 >> 16) & 255
-            dst[i1 + 3] = (f1 >> 24) & 255
-            dst[i2] = f2 & 255
-            dst[i2 + 1] = (f2 >> 8) & 255
-            dst[i2 + 2] = (f2 >> 16) & 255
-            dst[i2 + 3] = (f2 >> 24) & 255
-            dst[i3] = f3 & 255
-            dst[i3 + 1] = (f3 >> 8) & 255
-            dst[i3 + 2] = (f3 >> 16) & 255
-            dst[i3 + 3] = (f3 >> 24) & 255
-            if c0 == 0:
-                s, b0 = _slow_sym(w0, slow)
-                dst[i0] = s
-                c0 = 1
-            if c1 == 0:
-                s, b1 = _slow_sym(w1, slow)
-                dst[i1] = s
-                c1 = 1
-            if c2 == 0:
-                s, b2 = _slow_sym(w2, slow)
-                dst[i2] = s
-                c2 = 1
-            if c3 == 0:
-                s, b3 = _slow_sym(w3, slow)
-                dst[i3] = s
-                c3 = 1
-            if b0 == 0 or b1 == 0 or b2 == 0 or b3 == 0:
-                return 1
+            dst[_U(i0)] = f0 & 255
+            dst[_U(i0 + 1)] = (f0 >> 8) & 255
+            dst[_U(i0 + 2)] = (f0 >> 16) & 255
+            dst[_U(i0 + 3)] = (f0 >> 24) & 255
+            dst[_U(i1)] = f1 & 255
+            dst[_U(i1 + 1)] = (f1 >> 8) & 255
+            dst[_U(i1 + 2)] = (f1 >> 16) & 255
+            dst[_U(i1 + 3)] = (f1 >> 24) & 255
+            dst[_U(i2)] = f2 & 255
+            dst[_U(i2 + 1)] = (f2 >> 8) & 255
+            dst[_U(i2 + 2)] = (f2 >> 16) & 255
+            dst[_U(i2 + 3)] = (f2 >> 24) & 255
+            dst[_U(i3)] = f3 & 255
+            dst[_U(i3 + 1)] = (f3 >> 8) & 255
+            dst[_U(i3 + 2)] = (f3 >> 16) & 255
+            dst[_U(i3 + 3)] = (f3 >> 24) & 255
+            if (c0 == 0) | (c1 == 0) | (c2 == 0) | (c3 == 0):  # rare: a code longer than LUTBITS
+                if c0 == 0:
+                    s, b0 = _slow_sym(w0, slow)
+                    dst[_U(i0)] = s
+                    c0 = 1
+                if c1 == 0:
+                    s, b1 = _slow_sym(w1, slow)
+                    dst[_U(i1)] = s
+                    c1 = 1
+                if c2 == 0:
+                    s, b2 = _slow_sym(w2, slow)
+                    dst[_U(i2)] = s
+                    c2 = 1
+                if c3 == 0:
+                    s, b3 = _slow_sym(w3, slow)
+                    dst[_U(i3)] = s
+                    c3 = 1
+                if b0 == 0 or b1 == 0 or b2 == 0 or b3 == 0:  # table hits always have b >= 1
+                    return 1
             i0 += c0
             i1 += c1
             i2 += c2
@@ -415,28 +388,66 @@ def _decode4(src, pos, slen, n, lut, slow, dst):
 
 
 @njit(cache=True, nogil=True)
-def _encode4(syms, n, ct, out, pos):
-    """4 streams over the quarters of syms[:n]: [u32 len0][u32 len1][u32 len2][s0][s1][s2][s3][8 zero bytes]."""
+def _enc_stream(syms, a, b, ct, w, k):
+    """Code syms[a:b] as an LSB-first bit stream of 32-bit words at w[k:]; returns the end word.
+
+    Branch-free: two codes (<= 30 bits) join the < 32 pending bits, a word is always stored and
+    the write index advances only when it is full.  Indices are cast to unsigned so numba emits
+    no negative-index wraparound code (about 2x faster).
+    """
+    acc = 0
+    nb = 0
+    i = a
+    while i + 1 < b:
+        e = ct[syms[_U(i)]]
+        f = ct[syms[_U(i + 1)]]
+        acc |= ((e & 0xFFFF) | ((f & 0xFFFF) << (e >> 16))) << nb
+        nb += (e >> 16) + (f >> 16)
+        w[_U(k)] = acc & 0xFFFFFFFF
+        full = nb >> 5
+        acc >>= full << 5
+        nb &= 31
+        k += full
+        i += 2
+    if i < b:
+        e = ct[syms[_U(i)]]
+        acc |= (e & 0xFFFF) << nb
+        nb += e >> 16
+    while nb > 0:
+        w[_U(k)] = acc & 0xFFFFFFFF
+        k += 1
+        acc >>= 32
+        nb -= 32
+    return k
+
+
+@njit(cache=True, nogil=True)
+def _encode4(syms, n, ct, out, pos, scr, lim):
+    """4 streams over the quarters of syms[:n]: [u32 len0][u32 len1][u32 len2][s0][s1][s2][s3][8 zero bytes].
+
+    The streams are coded into 32-bit words in `scr` (>= 4 * ((ceil(n/4) * MAXLEN) // 32 + 4)
+    entries), then copied to out[pos:].  Returns the end position, or `pos` (nothing written)
+    when the coded area would take >= lim bytes.
+    """
     q = (n + 3) // 4
-    b0 = min(q, n)
-    b1 = min(2 * q, n)
-    b2 = min(3 * q, n)
+    cap = scr.shape[0] // 4
+    ks = np.empty(4, np.int64)
+    tot = 0
+    for s in range(4):
+        a = min(s * q, n)
+        b = min((s + 1) * q, n)
+        ks[s] = _enc_stream(syms, a, b, ct, scr, s * cap) - s * cap
+        tot += ks[s]
+    if 20 + 4 * tot >= lim:
+        return pos
+    for s in range(3):
+        _put32(out, pos + 4 * s, 4 * ks[s])
     p = pos + 12
-    ends = np.empty(4, np.int64)
-    starts = np.empty(4, np.int64)
-    bounds = np.array([0, b0, b1, b2, n])
-    for k in range(4):
-        starts[k] = p
-        p = _huff_encode(syms, bounds[k], bounds[k + 1], ct, out, p)
-        ends[k] = p
-    for k in range(3):
-        ln = ends[k] - starts[k]
-        out[pos + 4 * k] = ln & 255
-        out[pos + 4 * k + 1] = (ln >> 8) & 255
-        out[pos + 4 * k + 2] = (ln >> 16) & 255
-        out[pos + 4 * k + 3] = (ln >> 24) & 255
-    for k in range(8):
-        out[p + k] = 0
+    for s in range(4):
+        k = ks[s]
+        out[p : p + 4 * k] = scr[s * cap : s * cap + k].view(np.uint8)
+        p += 4 * k
+    out[p : p + 8] = 0
     return p + 8
 
 
@@ -447,45 +458,60 @@ def _encode4(syms, n, ct, out, pos):
 
 @njit(cache=True, nogil=True)
 def _split(kind, x, s0, n, syms, out, ro):
-    """Symbols to syms[:n], raw planes to out[ro:]."""
+    """Symbols to syms[:n], raw planes to out[ro:].  (Slices + narrow types: LLVM vectorizes.)"""
+    sv = syms[:n]
     if kind == 0:  # bf16: exponent = bits 7..14
+        xv = x[s0 : s0 + n]
+        ov = out[ro : ro + n]
         for i in range(n):
-            v = np.int64(x[s0 + i])
-            syms[i] = (v >> 7) & 255
-            out[ro + i] = ((v >> 8) & 0x80) | (v & 0x7F)
+            v = xv[i]
+            sv[i] = np.uint8((v >> np.uint16(7)) & np.uint16(255))
+            ov[i] = np.uint8(((v >> np.uint16(8)) & np.uint16(0x80)) | (v & np.uint16(0x7F)))
     elif kind == 1:  # fp16: high byte = sign, exponent, 2 mantissa bits
+        xv = x[s0 : s0 + n]
+        ov = out[ro : ro + n]
         for i in range(n):
-            v = np.int64(x[s0 + i])
-            syms[i] = (v >> 8) & 255
-            out[ro + i] = v & 255
-    else:  # fp32: exponent = bits 23..30
-        r1 = ro + n
-        r2 = ro + 2 * n
+            v = xv[i]
+            sv[i] = np.uint8(v >> np.uint16(8))
+            ov[i] = np.uint8(v & np.uint16(255))
+    else:  # fp32 (x holds two uint16 per value): exponent = bits 23..30
+        xv = x[2 * s0 : 2 * (s0 + n)]
+        o0 = out[ro : ro + n]
+        o1 = out[ro + n : ro + 2 * n]
+        o2 = out[ro + 2 * n : ro + 3 * n]
         for i in range(n):
-            v = np.int64(x[2 * (s0 + i)]) | (np.int64(x[2 * (s0 + i) + 1]) << 16)
-            syms[i] = (v >> 23) & 255
-            out[ro + i] = v & 255
-            out[r1 + i] = (v >> 8) & 255
-            out[r2 + i] = ((v >> 16) & 0x7F) | ((v >> 24) & 0x80)
+            lo = xv[2 * i]
+            hi = xv[2 * i + 1]
+            sv[i] = np.uint8((hi >> np.uint16(7)) & np.uint16(255))
+            o0[i] = np.uint8(lo & np.uint16(255))
+            o1[i] = np.uint8(lo >> np.uint16(8))
+            o2[i] = np.uint8((hi & np.uint16(0x7F)) | ((hi >> np.uint16(8)) & np.uint16(0x80)))
 
 
 @njit(cache=True, nogil=True)
 def _merge(kind, syms, src, ro, n, y, s0):
+    sv = syms[:n]
     if kind == 0:
+        rv = src[ro : ro + n]
+        yv = y[s0 : s0 + n]
         for i in range(n):
-            r = np.int64(src[ro + i])
-            y[s0 + i] = ((r & 0x80) << 8) | (np.int64(syms[i]) << 7) | (r & 0x7F)
+            r = np.uint16(rv[i])
+            yv[i] = ((r & np.uint16(0x80)) << np.uint16(8)) | (np.uint16(sv[i]) << np.uint16(7)) | (r & np.uint16(0x7F))
     elif kind == 1:
+        rv = src[ro : ro + n]
+        yv = y[s0 : s0 + n]
         for i in range(n):
-            y[s0 + i] = (np.int64(syms[i]) << 8) | np.int64(src[ro + i])
+            yv[i] = (np.uint16(sv[i]) << np.uint16(8)) | np.uint16(rv[i])
     else:
-        r1 = ro + n
-        r2 = ro + 2 * n
+        r0 = src[ro : ro + n]
+        r1 = src[ro + n : ro + 2 * n]
+        r2 = src[ro + 2 * n : ro + 3 * n]
+        yv = y[2 * s0 : 2 * (s0 + n)]
         for i in range(n):
-            b2 = np.int64(src[r2 + i])
-            s = np.int64(syms[i])
-            y[2 * (s0 + i)] = np.int64(src[ro + i]) | (np.int64(src[r1 + i]) << 8)
-            y[2 * (s0 + i) + 1] = ((b2 & 0x7F) | ((s & 1) << 7)) | (((b2 & 0x80) | (s >> 1)) << 8)
+            b2 = np.uint16(r2[i])
+            s = np.uint16(sv[i])
+            yv[2 * i] = np.uint16(r0[i]) | (np.uint16(r1[i]) << np.uint16(8))
+            yv[2 * i + 1] = (b2 & np.uint16(0x7F)) | ((s & np.uint16(1)) << np.uint16(7)) | (((b2 & np.uint16(0x80)) | (s >> np.uint16(1))) << np.uint16(8))
 
 
 # --------------------------------------------------------------------------------------------
@@ -520,11 +546,32 @@ def _put32(out, p, v):
 
 
 @njit(cache=True, nogil=True)
+def _sample_hist(syms, n, h):
+    """h = histogram of syms[0:n:SAMPLE_STRIDE], in 4 interleaved tables (a skewed histogram
+    otherwise stalls on store-to-load forwarding of the same counter)."""
+    h4 = np.zeros((4, 256), np.int64)
+    S = SAMPLE_STRIDE
+    i = 0
+    while i + 3 * S < n:
+        h4[0, syms[_U(i)]] += 1
+        h4[1, syms[_U(i + S)]] += 1
+        h4[2, syms[_U(i + 2 * S)]] += 1
+        h4[3, syms[_U(i + 3 * S)]] += 1
+        i += 4 * S
+    while i < n:
+        h4[0, syms[_U(i)]] += 1
+        i += S
+    for s in range(256):
+        h[s] = h4[0, s] + h4[1, s] + h4[2, s] + h4[3, s]
+
+
+@njit(cache=True, nogil=True)
 def _encode_group(kind, x, N, chunk_vals, c0, c1, cm, has_model, out, o, offs):
     """Encode chunks c0..c1-1 of x into out starting at o; offs[c] = start of chunk c. Returns end."""
     W = 4 if kind == 2 else 2
     syms = np.empty(chunk_vals + 8, np.uint8)
     h = np.zeros(256, np.int64)
+    scr = np.empty(4 * ((((chunk_vals + 3) // 4) * MAXLEN) // 32 + 4), np.uint32)
     for c in range(c0, c1):
         s0 = c * chunk_vals
         n = min(chunk_vals, N - s0)
@@ -532,9 +579,7 @@ def _encode_group(kind, x, N, chunk_vals, c0, c1, cm, has_model, out, o, offs):
         ro = o + HDR
         _split(kind, x, s0, n, syms, out, ro)
         # sampled histogram -> estimated cost of the model code and of a histogram code
-        h[:] = 0
-        for i in range(0, n, SAMPLE_STRIDE):
-            h[syms[i]] += 1
+        _sample_hist(syms, n, h)
         ns = 0
         mb = 0
         for s in range(256):
@@ -566,7 +611,7 @@ def _encode_group(kind, x, N, chunk_vals, c0, c1, cm, has_model, out, o, offs):
         p = ro + (W - 1) * n
         end = p
         if best < 8 * ns:
-            end = _encode4(syms, n, ct, out, p)
+            end = _encode4(syms, n, ct, out, p, scr, n - (TABLE_BYTES if mode == 2 else 0))
         if end == p or end - p + (TABLE_BYTES if mode == 2 else 0) >= n:
             mode = 0
             out[p : p + n] = syms[:n]
@@ -690,24 +735,36 @@ def estimate_sigma(x: np.ndarray, kind: int, samples: int = 16384) -> float:
     n = x.shape[0]
     if n == 0:
         return 0.0
-    step = max(1, n // samples)
-    sub = x[::step]
-    with np.errstate(all="ignore"):
-        return _rms(sub, kind)
-
-
-def _rms(sub: np.ndarray, kind: int) -> float:
-    if kind == KIND_BF16:
-        f = (sub.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    elif kind == KIND_F16:
-        f = sub.view(np.float16).astype(np.float64)
-    else:
-        f = sub.view(np.float32).astype(np.float64)
-    f = f[np.isfinite(f)]
-    if f.size == 0:
-        return 0.0
-    r = float(np.sqrt(np.mean(f * f)))
+    r = _rms(x, kind, max(1, n // samples))
     return r if math.isfinite(r) and r > 0 else 0.0
+
+
+@njit(cache=True, nogil=True)
+def _rms(x, kind, step):
+    """RMS of the finite values among x[::step] (bit patterns of `kind`), decoded exactly in float64."""
+    acc = 0.0
+    cnt = 0
+    for i in range(0, x.shape[0], step):
+        b = np.int64(x[_U(i)])
+        if kind == 1:  # fp16
+            e = (b >> 10) & 31
+            m = b & 1023
+            if e == 31:
+                continue
+            v = math.ldexp(float(m), -24) if e == 0 else math.ldexp(float(m | 1024), e - 25)
+        else:  # bf16 (the high half of an fp32) or fp32
+            if kind == 0:
+                b <<= 16
+            e = (b >> 23) & 255
+            m = b & 0x7FFFFF
+            if e == 255:
+                continue
+            v = math.ldexp(float(m), -149) if e == 0 else math.ldexp(float(m | 0x800000), e - 150)
+        acc += v * v
+        cnt += 1
+    if cnt == 0:
+        return 0.0
+    return math.sqrt(acc / cnt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -889,12 +946,14 @@ def encode_many(tensors, chunk_bytes: int = DEFAULT_CHUNK_BYTES, threads: int = 
         sigma = estimate_sigma(x, kind)
         lm = model_lengths(kind, sigma) if sigma > 0 else None
         cm = _canonical(lm)[0] if lm is not None else np.zeros(256, np.int64)
-        maxc = HDR + (W + 2) * cv + 64 + TABLE_BYTES  # room for a transient over-long Huffman stream
+        maxc = HDR + W * cv + 64  # a chunk never exceeds HDR + W * n bytes (raw fallback)
         out = np.empty(nch * maxc, np.uint8)
         offs = np.zeros(nch + 1, np.int64)
         enc = Encoded(name, shape, cv, out, offs, lm, sigma)
         results.append(enc)
-        groups = _groups(nch, cv * W, threads)
+        # one group per thread (a single group, written in place, when threads == 1)
+        per = -(-nch // max(1, threads))
+        groups = [(c, min(c + per, nch)) for c in range(0, nch, per)]
         ends = [0] * len(groups)
         for gi, (c0, c1) in enumerate(groups):
 
@@ -914,14 +973,20 @@ def encode_many(tensors, chunk_bytes: int = DEFAULT_CHUNK_BYTES, threads: int = 
             enc.offsets[-1] = ends[0]
             enc.payload = enc.payload[: ends[0]]
             continue
-        pieces, shift, offs = [], 0, enc.offsets
+        # compact in place: move each group's output left, right after the previous one
+        buf, shift, offs = enc.payload, 0, enc.offsets
         for (c0, c1), e in zip(groups, ends):
             start = c0 * maxc
-            pieces.append(enc.payload[start:e])
+            ln = e - start
+            if start != shift:
+                gap = start - shift  # > 0: copy in non-overlapping blocks of `gap` bytes
+                for k in range(0, ln, gap):
+                    m = min(gap, ln - k)
+                    buf[shift + k : shift + k + m] = buf[start + k : start + k + m]
             offs[c0:c1] += shift - start
-            shift += e - start
+            shift += ln
         offs[-1] = shift
-        enc.payload = np.concatenate(pieces)
+        enc.payload = buf[:shift]
     return results
 
 
