@@ -94,7 +94,12 @@ NOTES = """
   student's own prefix) 75% of the budget: at 5e-4 / 50% it reached 7,225 against e2e's 1,549 in a
   first run, at 2e-3 / 50% 1,937, at 4e-3 / 50% 3,009, at 2e-3 / 25% 1,457 (same data and budget). The
   e2e baseline was run at two learning rates (rows above) so the comparison is not tuned one-sidedly.
-- **The 22-layer BI student** (the issue's drop-only case) starts usable and heals steadily with tokens.
+- **The 22-layer BI student** (the issue's drop-only case) starts usable (122.8) and heals with tokens, but
+  not monotonically at lr 2e-3: 2,048 tokens (4 steps per segment) overshoot to 130.9 before 4,096 reach
+  92.8. A first run at lr 5e-4 / phase-1 fraction 0.5 (same data, same keep list) gave 122.8 -> 117.6
+  (2,048) -> 103.0 (4,096): the high rate tuned for the broken 15-layer student is too high for a mild
+  drop at the smallest budget. The training data stayed within WikiText-2 valid (no tinyshakespeare or
+  `self` data was needed at these budgets).
 - The budgets are tiny because the CPU was shared by several engineers (load average 4-9 on 2 cores
   during these runs; one torch thread per process, which was ~3x faster than two under that load):
   the whole benchmark had to fit in 25 minutes. Evaluation uses the first 4,096 WikiText-2 test tokens
