@@ -133,6 +133,10 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
         seeds = [c for per in base.values() for c in per.values()]
         if cfg.method == "drop-search":
             seeds = [c for c in seeds if all(a == 0.0 for g in c.alphas for t in g for a in t)]
+        # every seed enters the evaluator's archive, even those beyond the population size, so the
+        # selection below can never pick worse (on calibration) than a baseline at the same layer count
+        for c in seeds:
+            ev.evaluate(c)
         with bar(f"collapse {cfg.method}", total=cfg.generations + 1) as b:
             def tick(g):
                 rec = g.record

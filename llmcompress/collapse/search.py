@@ -248,9 +248,9 @@ def select_by_validation(evaluator: Evaluator, lo: int, hi: int, top: int = 2) -
     are chosen by a split the search never optimized on.
     """
     by_count: dict[int, list[tuple[Candidate, Fitness]]] = {}
-    for key, cand in evaluator.archive.items():
+    for cand in evaluator.archive.values():
         if lo <= cand.n_layers <= hi:
-            by_count.setdefault(cand.n_layers, []).append((cand, evaluator.memo[("calib", key)]))
+            by_count.setdefault(cand.n_layers, []).append((cand, evaluator.evaluate(cand)))
     picks = []
     for n in sorted(by_count):
         ranked = sorted(by_count[n], key=lambda t: t[1].fitness)[:top]
