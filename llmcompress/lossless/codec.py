@@ -39,14 +39,10 @@ import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 from numba import uint64 as _U  # cast indices: no negative-index wraparound code
-
-if TYPE_CHECKING:
-    import torch
 
 MAXLEN = 15  # longest Huffman code, bits
 LUTBITS = 12  # decode table index width, bits
