@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from llmcompress import spec
 from llmcompress.errors import UserError
 
 METHODS = ("gelaco", "shortgpt", "laco", "drop-search")
@@ -154,24 +155,9 @@ FIELDS = {f.name for f in dataclasses.fields(CollapseConfig)}
 
 def config_from_dict(data: dict[str, Any], base: CollapseConfig | None = None) -> CollapseConfig:
     """A config from a dict; unknown keys raise UserError."""
-    unknown = sorted(set(data) - FIELDS)
-    if unknown:
-        raise UserError(f"unknown key(s) in the search spec: {', '.join(unknown)}", f"known keys: {', '.join(sorted(FIELDS))}")
-    return dataclasses.replace(base or CollapseConfig(), **data)
+    return spec.config_from_dict(CollapseConfig, data, base)
 
 
 def load_spec(path: Path) -> CollapseConfig:
     """Load a YAML search spec (a mapping of CollapseConfig fields)."""
-    import yaml
-
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise UserError(f"cannot read search spec {path}: {exc.strerror}", "check the path") from None
-    except yaml.YAMLError as exc:
-        raise UserError(f"search spec {path} is not valid YAML: {str(exc).splitlines()[0]}", "fix the file") from None
-    if not isinstance(data, dict):
-        raise UserError(f"search spec {path} must be a mapping of keys to values", "see searches/collapse-default.yaml")
-    data = {k.replace("-", "_"): v for k, v in data.items()}
-    return config_from_dict(data)
+    return spec.load_spec(CollapseConfig, path, "searches/collapse-default.yaml")

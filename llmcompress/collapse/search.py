@@ -7,9 +7,7 @@ temp+rename, so `--resume` continues from the last finished generation and ends 
 
 from __future__ import annotations
 
-import os
 import pickle
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,16 +124,9 @@ def current_front(algo, space: Space, evaluator: Evaluator, pareto: bool) -> lis
 
 
 def _atomic_pickle(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from llmcompress.io.atomic import write_bytes
+
+    write_bytes(path, pickle.dumps(obj))
 
 
 def load_state(out_dir: Path, cfg: CollapseConfig, model_id: str):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from llmcompress import spec
 from llmcompress.errors import UserError
 
 MODES = ("joint", "sequential", "uniform")
@@ -128,23 +129,8 @@ class NasConfig:
 
 def config_from_dict(d: dict[str, Any], base: NasConfig | None = None) -> NasConfig:
     """A copy of `base` with the fields of `d` set; unknown keys are errors."""
-    names = {f.name for f in dataclasses.fields(NasConfig)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise UserError(f"unknown search-spec key(s): {', '.join(unknown)}", f"allowed keys: {', '.join(sorted(names))}")
-    return dataclasses.replace(base or NasConfig(), **d)
+    return spec.config_from_dict(NasConfig, d, base)
 
 
 def load_spec(path: Path) -> NasConfig:
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"search spec {path} not found", "pass an existing YAML file to --spec")
-    try:
-        d = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise UserError(f"search spec {path} is not valid YAML: {str(exc).splitlines()[0]}", "fix the file") from None
-    if not isinstance(d, dict):
-        raise UserError(f"search spec {path} must be a mapping of keys to values", "see searches/nas-default.yaml")
-    return config_from_dict(d)
+    return spec.load_spec(NasConfig, path, "searches/nas-default.yaml")
