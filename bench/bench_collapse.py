@@ -69,6 +69,9 @@ def main() -> None:
         mcfg = dataclasses.replace(cfg, method=method)
         ms = [s for s in seeds if method == "gelaco" or all(a == 0.0 for g in s.alphas for t in g for a in t)]
         t0 = time.perf_counter()
+        ev.archive.clear()  # each method selects only among what its own search (and its seeds) evaluated
+        for c in ms:
+            ev.evaluate(c)
         with tempfile.TemporaryDirectory() as d:
             run_search(mcfg, ev, ms, Path(d), model_id="smollm2-135m")
         picks = {c.n_layers: c for c, _, _ in select_by_validation(ev, min(BUDGETS), max(BUDGETS))}
