@@ -110,6 +110,6 @@ def test_info_and_eval_on_a_tiny_checkpoint(tiny_hf_dir, tmp_path):
     assert json.loads((out / "report.json").read_text())["models"][0][key] == a[key]
 
 
-def test_unimplemented_engine_exits_2():
-    proc = run("nas")
-    assert proc.returncode == 2
+@pytest.mark.parametrize("cmd", ["nas", "zip"])
+def test_engine_without_required_input_exits_2(cmd):
+    assert_user_error(run(cmd), "error")

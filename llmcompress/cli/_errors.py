@@ -25,15 +25,18 @@ def run_app(app, argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: outputs written so far are complete; rerun with --resume to continue", file=sys.stderr)
         return 130
-    except Exception as exc:  # click usage errors and friends
-        import click
-
-        if isinstance(exc, click.exceptions.Exit):
+    except Exception as exc:  # click usage errors and friends (typer may vendor its own click)
+        name = type(exc).__name__
+        if name == "Exit" and hasattr(exc, "exit_code"):
             return exc.exit_code
-        if isinstance(exc, click.exceptions.Abort):
+        if name == "Abort":
             return 130
-        if isinstance(exc, click.ClickException):
-            exc.show()
+        if name == "NoArgsIsHelpError":
+            print(exc.format_message())
+            return 2
+        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+            usage = getattr(getattr(exc, "ctx", None), "command_path", "llmcompress")
+            print(f"error: {exc.format_message().rstrip('.')}. see '{usage} --help'", file=sys.stderr)
             return 2
         if _debug(argv):
             raise
