@@ -211,6 +211,8 @@ class Evaluator:
 
     def evaluate(self, cand: Candidate, split: str = "calib") -> Fitness:
         key = (split, cand.key)
+        if split == "calib":
+            self.archive[cand.key] = cand  # also on a memo hit: an archive cleared between searches refills
         if key in self.memo:
             self.stats.memo_hits += 1
             return self.memo[key]
@@ -220,7 +222,6 @@ class Evaluator:
         fit = Fitness(kl, sim, self.w_kl * kl + self.w_sim * (1.0 - sim), cand.n_layers, self.params_of(cand))
         self.memo[key] = fit
         if split == "calib":
-            self.archive[cand.key] = cand
             self.stats.evaluations += 1
             self.stats.seconds += time.perf_counter() - t0
         return fit
