@@ -69,10 +69,7 @@ def train_e2e(run: _Run, teacher, keep: list[int] | None, blocks):
                 t_logits = teacher(input_ids=ids, use_cache=False).logits
             s_logits = student(input_ids=ids, use_cache=False).logits
             loss = losses.kl_logits(s_logits, t_logits, cfg.kl_temperature)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            losses.optimizer_step(opt, params, loss)
             run.log({"phase": "e2e", "step": step, "loss": loss.item()})
             b.advance(info=f"kl={loss.item():.4f}")
             del t_logits, s_logits, loss

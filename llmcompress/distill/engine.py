@@ -172,10 +172,7 @@ def _train_segment(run: _Run, seg: Segment, *, phase: int, steps: int, shards: l
             for g in opt.param_groups:
                 g["lr"] = cur.lr_at(step, steps, cfg.learning_rate)
             loss, parts = _segment_loss(run, seg, x, _to(y, run), step_seed=cfg.seed * 100003 + step * 101 + seg.index)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            losses.optimizer_step(opt, params, loss)
             history.append(loss.item())
             run.log({"phase": phase, "segment": seg.index, "step": step, "loss": loss.item(), **parts, "mix": round(alpha, 4)})
             b.advance(info=f"loss={loss.item():.4f}")
@@ -327,10 +324,7 @@ def _e2e_from_cache(run: _Run, steps: int) -> None:
                 t_logits = run.head(run.norm(_to(sh[last], run)))
             s_logits = run.model(input_ids=sh["ids"].to(run.device), use_cache=False).logits
             loss = losses.kl_logits(s_logits, t_logits, cfg.kl_temperature)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            losses.optimizer_step(opt, params, loss)
             run.log({"phase": "e2e", "step": step, "loss": loss.item()})
             b.advance(info=f"kl={loss.item():.4f}")
     for p in params:

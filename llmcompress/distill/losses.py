@@ -44,3 +44,14 @@ def kl_logits(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temper
     s = F.log_softmax(student_logits.float().flatten(0, -2) / t, dim=-1)  # (N, V)
     p = F.log_softmax(teacher_logits.float().flatten(0, -2) / t, dim=-1)
     return F.kl_div(s, p, log_target=True, reduction="batchmean") * (t * t)
+
+
+def optimizer_step(opt, params, loss: torch.Tensor, max_norm: float = 1.0) -> float:
+    """One training step on `loss` (zero grads, backward, clip to `max_norm`, step); returns the loss value."""
+    import torch
+
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    opt.step()
+    return loss.item()
