@@ -148,7 +148,7 @@ def render(res: dict) -> str:
         f"{st['eval_tokens']:,} tokens, seq-len 512. Each mode ran in its own subprocess with {st['threads']} torch thread(s); "
         f"peak memory = that process's ru_maxrss (includes loading the teacher); training wall time excludes evaluation "
         f"and includes the teacher feature caching for layer-wise (cache rebuilt from scratch). Load average at start "
-        f"{st['loadavg_start'][0]:.1f} on 2 shared cores.",
+        f"{st['loadavg_start'][0]:.1f} on {os.cpu_count()} cores.",
         "",
         "| mode | training wall (s) | of which caching (s) | peak RSS (MiB) | student ppl before | student ppl after |",
         "|---|---|---|---|---|---|",
@@ -161,7 +161,9 @@ def render(res: dict) -> str:
         "",
         "## 22-layer drop-only student (8 layers removed by Block Influence), healed by layer-wise distill",
         "",
-        f"Kept teacher layers: {res.get('bi22_keep')}.",
+        f"Kept teacher layers: {res.get('bi22_keep')}. Layer-wise lr {st.get('curve_lr', st['lr'])}, phase-1 fraction "
+        f"{st.get('phase1_fraction')}, training text: WikiText-2 valid (detokenized) only; each budget is its own run from the "
+        f"untrained student. Dense teacher: {res['teacher_ppl']:.2f}; within 20% means <= {1.2 * res['teacher_ppl']:.2f}.",
         "",
         "| training tokens | perplexity | training wall (s) | peak RSS (MiB) |",
         "|---|---|---|---|",
@@ -183,6 +185,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3, help="layer-wise learning rate")
     ap.add_argument("--e2e-lr", default="5e-4,2e-3", help="end-to-end learning rates (first = the headline row)")
     ap.add_argument("--phase1-fraction", type=float, default=0.25)
+    ap.add_argument("--curve-lr", type=float, default=5e-4, help="layer-wise learning rate of the 22-layer healing curve")
     ap.add_argument("--threads", type=int, default=None, help="default: 1 when the machine is busy, else 2")
     ap.add_argument("--work", type=Path, default=Path("/tmp/llmc-bench-distill"))
     ap.add_argument("--eval-model")
@@ -223,7 +226,8 @@ def main() -> None:
         save()
     curve = []
     for i, t in enumerate(int(x) for x in a.curve_tokens.split(",")):
-        m = run_distill(a.work / f"bi22-{t}", ["--keep-layers", 22, "--select", "bi", "--train-tokens", t, *lr["layerwise"], *common], threads)
+        curve_args = ["--lr", a.curve_lr, "--phase1-fraction", a.phase1_fraction]
+        m = run_distill(a.work / f"bi22-{t}", ["--keep-layers", 22, "--select", "bi", "--train-tokens", t, *curve_args, *common], threads)
         if i == 0:
             res["bi22_keep"] = keeps(m["layer_map"])
             curve.append((0, eval_ppl("smollm2-135m", res["bi22_keep"], a.eval_tokens, threads)))

@@ -25,6 +25,8 @@ def main() -> None:
     ap.add_argument("--train-tokens", type=int, default=4096)
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--cost-model", default="analytic")
+    ap.add_argument("--equal-latency", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run joint at the modeled latency sequential reached")
     args = ap.parse_args()
     cmd = [sys.executable, "-m", "llmcompress", "nas", "smollm2-135m", "--target-latency", "0.6", "--target-bits", "4",
            "--mode", "joint", "--baselines", "sequential,uniform", "--cost-model", args.cost_model,
@@ -33,6 +35,7 @@ def main() -> None:
     shared = ROOT.parent / "shared" / "data"
     if "LLMCOMPRESS_DATA_DIR" not in env and shared.is_dir():
         env["LLMCOMPRESS_DATA_DIR"] = str(shared)
+    load0 = os.getloadavg()[0]
     t0 = time.time()
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     wall = time.time() - t0
@@ -40,15 +43,29 @@ def main() -> None:
     report = (out / "report.md").read_text()
     arch = json.loads((out / "arch.json").read_text())
     text = [
-        f"## Run of {time.strftime('%Y-%m-%d %H:%M')}",
+        f"## Run of {time.strftime('%Y-%m-%d %H:%M')} UTC",
         "",
         "Command: `" + " ".join(["python", *cmd[1:]]) + "`",
         "",
-        f"Wall time {wall / 60:.1f} min on {os.cpu_count()} shared CPU cores. Packed checkpoint on disk "
+        f"Wall time {wall / 60:.1f} min on {os.cpu_count()} CPU cores, load average at start {load0:.1f}. Packed checkpoint on disk "
         f"{arch.get('packed_disk_mb', 0):.1f} MB, HF (float32, zero-padded) {arch.get('hf_disk_mb', 0):.1f} MB.",
         "",
         report.split("\n", 2)[2],
     ]
+    seq = arch.get("baselines", {}).get("sequential")
+    if args.equal_latency and seq:
+        # joint again, at the modeled latency the sequential baseline reached: the equal-latency comparison
+        lat = round(seq["modeled_latency"], 4)
+        cmd2 = [*cmd[: cmd.index("--target-latency") + 1], str(lat), *cmd[cmd.index("--target-latency") + 2 :]]
+        cmd2[cmd2.index("--baselines") + 1] = ""
+        cmd2[cmd2.index("--out") + 1] = args.out + "-eqlat"
+        subprocess.run(cmd2, check=True, cwd=ROOT, env=env)
+        a2 = json.loads((ROOT / (args.out + "-eqlat") / "arch.json").read_text())
+        p_seq, p_joint = seq["metrics"].get("ppl"), a2["metrics"].get("ppl")
+        text += ["", f"Equal modeled latency: joint rerun with `--target-latency {lat}` (the latency sequential reached) "
+                 f"and `--baselines ''`: joint ppl {p_joint:.2f} at latency {a2['modeled_latency']:.3f}, {a2['avg_bits']:.2f} bits, "
+                 f"{a2['architecture']['kept']} layers; sequential ppl {p_seq:.2f} at {seq['modeled_latency']:.3f} "
+                 f"(joint/sequential {p_joint / p_seq:.3f})."]
     path = ROOT / "bench" / "RESULTS-nas.md"
     head = path.read_text() if path.is_file() else "# llmcompress nas benchmark results\n\n"
     path.write_text(head + "\n".join(text) + "\n")

@@ -73,6 +73,20 @@ def test_prefix_cached_fitness_equals_full_recompute(ev, tmp_path):
     disk.close()
 
 
+def test_no_cache_evaluation_equals_cached(ev):
+    naive = _evaluator()
+    naive.use_prefix, naive.use_reference = False, False
+    for c in (Candidate.from_keep(8, {5, 6}), shortgpt(ev, 5)):
+        assert naive.evaluate(c).kl == pytest.approx(ev.evaluate(c).kl, rel=1e-4, abs=1e-6)
+
+
+def test_laco_reaches_every_budget_when_no_merge_passes(ev):
+    path = laco(ev, 4, threshold=2.0)  # cosine never exceeds 2: every pass falls back to its most similar merge
+    assert set(path) == set(range(4, 8)) and all(c.n_layers == n for n, c in path.items())  # every count
+    strict = laco(ev, 4, threshold=0.0)
+    assert min(strict) == 4
+
+
 def _run(tmp, stop_after=None, resume=False, ev=None, seed=0):
     ev = ev or _evaluator()
     cfg = CollapseConfig(population=5, generations=2, seed=seed, min_layers=4, sim_blocks=1)

@@ -62,7 +62,9 @@ def test_tiny_end_to_end(tiny_hf_dir, tmp_path):
     arch = json.loads((out / "arch.json").read_text())
     assert arch["avg_bits"] <= 4.0 + 1e-9 and arch["modeled_latency"] <= 0.7 + 1e-9 and arch["size_mb"] > 0
     assert (out / "search_log.jsonl").read_text().count("\n") == 2
-    assert "uniform" in arch["baselines"] and "| joint |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "uniform" in arch["baselines"] and all(f"| {r} |" in report for r in ("joint (GPTQ)", "uniform (RTN)", "uniform (GPTQ)"))
+    assert arch["quant_method"] == "gptq"
     hf = load_model(str(out / "hf"))
     assert hf.manifest["method"] == "nas-joint"
     packed, tok = load_packed(out / "packed")

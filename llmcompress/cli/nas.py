@@ -36,6 +36,7 @@ def nas_command(
     bits: Annotated[Optional[str], typer.Option("--bits", help="Bit widths to choose from (default 2,3,4,8,16).")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", help="Quantization group size (default: 128 if it divides all widths, else 64...).")] = None,
     cost_model: Annotated[Optional[str], typer.Option("--cost-model", help="analytic (bytes per decoded token, default) | lut (decode time measured here).")] = None,
+    quant_method: Annotated[Optional[str], typer.Option("--quant", help="How the plan is applied: gptq (default, error compensation) | rtn.")] = None,
     train_tokens: Annotated[Optional[int], typer.Option("--train-tokens", help="Search tokens (default 16384).")] = None,
     eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report (0 skips).")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed.")] = None,
@@ -53,7 +54,7 @@ def nas_command(
     cfg = load_spec(spec) if spec is not None else NasConfig()
     overrides = {
         "model": model, "target_latency": target_latency, "target_size_mb": target_size_mb, "target_bits": target_bits,
-        "mode": mode.value if mode else None, "group_size": group_size, "cost_model": cost_model,
+        "mode": mode.value if mode else None, "group_size": group_size, "cost_model": cost_model, "quant_method": quant_method,
         "train_tokens": train_tokens, "eval_tokens": eval_tokens, "seed": seed,
         "bits": _int_list(bits, "--bits") if bits is not None else None,
         "baselines": [b.strip() for b in baselines.split(",") if b.strip()] if baselines is not None else None,

@@ -58,7 +58,9 @@ def laco(
     merged model's last hidden states stay cosine-similar (> threshold) to the original's on a few
     calibration blocks (first `max_tokens` positions), then continue below the merged layer; else move one layer
     down. When a pass ends above `min_layers`, the threshold is relaxed by `relax` and another pass runs on
-    the current model.
+    the current model. A pass that accepts nothing (on small models, 3-layer RDSC merges fall far below any
+    usual threshold) instead merges the two leading groups of its most similar trial (one layer fewer),
+    so the baseline passes through every layer count and can be compared at equal budgets.
 
     Returns:
         layer count -> candidate, for every count the greedy sequence passes through.
@@ -67,19 +69,26 @@ def laco(
     cand = identity(L)
     out: dict[int, Candidate] = {}
     t = threshold
-    for _ in range(max_passes):
+    for _ in range(max_passes + L):
         g = len(cand.groups) - protect_last - 1
+        accepted, best = False, None
         while g >= protect_first and cand.n_layers > min_layers:
             n = min(merge, cand.n_layers - min_layers + 1, len(cand.groups) - protect_last - g)
             if n < 2:
                 g -= 1
                 continue
             trial = merge_groups(cand, g, n)
-            if evaluator.final_similarity(trial, n_blocks, max_tokens=max_tokens) > t:
-                cand = trial
+            sim = evaluator.final_similarity(trial, n_blocks, max_tokens=max_tokens)
+            if sim > t:
+                cand, accepted = trial, True
                 out[cand.n_layers] = cand
+            elif best is None or sim > best[0]:
+                best = (sim, g)
             g -= 1  # accepted: the merged group sits at g, continue below it; rejected: move one down
         if cand.n_layers <= min_layers:
             break
+        if not accepted and best is not None:
+            cand = merge_groups(cand, best[1], 2)  # one layer at a time, so every budget is visited
+            out[cand.n_layers] = cand
         t -= relax
     return out

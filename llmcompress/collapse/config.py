@@ -60,8 +60,8 @@ class CollapseConfig:
     calib_source: str = "wikitext2"
     calib_split: str = "valid"
     seq_len: int = 256
-    calib_tokens: int = 2048
-    val_tokens: int = 1024
+    calib_tokens: int = 6144
+    val_tokens: int = 2048
     kl_topk: int = 64
     kl_stride: int = 4
     sim_blocks: int = 1

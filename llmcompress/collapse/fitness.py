@@ -172,14 +172,17 @@ class Evaluator:
         sim_blocks: calibration blocks on which the residual-update similarity is measured.
         batch: blocks per forward.
         use_prefix: start each candidate at its first changed layer (False: full forward, for benchmarks).
+        use_reference: score the KL against the cached top-k log-probabilities of the original (False:
+            recompute the original's forward for every evaluation, as a notebook does; benchmarks only).
     """
 
-    def __init__(self, model, calib: Reference, val: Reference | None, *, w_kl=1.0, w_sim=0.1, sim_blocks=2, batch=4, use_prefix=True) -> None:
+    def __init__(self, model, calib: Reference, val: Reference | None, *, w_kl=1.0, w_sim=0.1, sim_blocks=2, batch=4, use_prefix=True, use_reference=True) -> None:
         self.model = model
         self.adapter = get_adapter(model)
         self.layers = list(self.adapter.decoder_layers(model))
         self.refs = {"calib": calib, "val": val}
         self.w_kl, self.w_sim, self.sim_blocks, self.batch, self.use_prefix = w_kl, w_sim, sim_blocks, batch, use_prefix
+        self.use_reference = use_reference
         self.memo: dict[tuple, Fitness] = {}
         self.archive: dict[tuple, Candidate] = {}
         self._sim_memo: dict[tuple, float] = {}
@@ -244,7 +247,7 @@ class Evaluator:
         """Mean top-k KL(original || candidate) over the scored positions of `ref`."""
         import torch
 
-        if cand.first_changed() is None and self.use_prefix:
+        if cand.first_changed() is None and self.use_prefix and self.use_reference:
             return 0.0
         norm, head = self.adapter.norm(self.model), self.adapter.head(self.model)
         total, count = 0.0, 0
@@ -253,7 +256,11 @@ class Evaluator:
                 rows = slice(s, s + self.batch)
                 h = self.final_hidden(cand, ref, rows)[:, :: ref.stride]
                 logp = torch.log_softmax(head(norm(h)).float(), dim=-1)
-                kl = topk_kl(logp, ref.top_idx[rows], ref.top_logp[rows])
+                top_idx, top_logp = ref.top_idx[rows], ref.top_logp[rows]
+                if not self.use_reference:  # naive baseline: rerun the original on the tokens
+                    logits = self.model(input_ids=ref.blocks[rows], use_cache=False).logits[:, :: ref.stride]
+                    top_logp, top_idx = torch.log_softmax(logits.float(), dim=-1).topk(top_idx.shape[-1], dim=-1)
+                kl = topk_kl(logp, top_idx, top_logp)
                 total += float(kl.sum())
                 count += kl.numel()
         return total / count

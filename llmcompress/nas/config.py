@@ -42,6 +42,10 @@ class NasConfig:
         lr: Adam learning rate of the architecture logits; tau_start/tau_end: Gumbel temperature
             (annealed exponentially); lam: penalty weight of max(0, cost / target - 1).
         hidden_mse: weight of a final-hidden-state MSE next to the logit KL (0 = off).
+        quant_method: how the derived plan is applied: rtn (round-to-nearest) or gptq (error compensation
+            with Hessians from `gptq_blocks` calibration blocks). The uniform baseline is always RTN.
+        init_kappa: logits start at -init_kappa * (proxy error of the choice) / (median 4-bit error), from
+            a diagonal-Hessian proxy on `sensitivity_blocks` calibration blocks (0 = all logits start equal).
         checkpoint_every: steps between atomic search checkpoints (for --resume).
         eval_tokens, eval_seq_len: WikiText-2 raw test tokens for the report's perplexity (0 skips).
         measure_speed: measure CPU prefill/decode speed of the results.
@@ -70,12 +74,16 @@ class NasConfig:
     tau_end: float = 0.3
     lam: float = 20.0
     hidden_mse: float = 0.0
+    quant_method: Literal["rtn", "gptq"] = "gptq"
+    gptq_blocks: int = 32
+    init_kappa: float = 2.0
+    sensitivity_blocks: int = 8
     checkpoint_every: int = 8
     eval_tokens: int = 8192
     eval_seq_len: int = 512
     measure_speed: bool = True
     seed: int = 0
-    version: int = 1
+    version: int = 2
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,6 +129,8 @@ class NasConfig:
             raise UserError(f"width choices {self.width_choices} must lie in (0, 1]", "e.g. [0.25, 0.5, 0.75, 1.0]")
         if self.cost_model not in COST_MODELS:
             raise UserError(f"unknown cost model {self.cost_model!r}", f"use one of {', '.join(COST_MODELS)}")
+        if self.quant_method not in ("rtn", "gptq"):
+            raise UserError(f"unknown quantization method {self.quant_method!r}", "use rtn or gptq")
         if self.train_tokens < self.seq_len * self.batch_size:
             raise UserError(f"--train-tokens must be at least {self.seq_len * self.batch_size}", "one batch at least")
         if not 0 < self.min_keep_frac <= 1:

@@ -79,8 +79,14 @@ def mlp_widths(model) -> list[int]:
     return [layer.mlp.down_proj.in_features for layer in get_adapter(model).decoder_layers(model)]
 
 
-def quantize_derived(model, plan: MixedPrecisionPlan) -> dict[str, QuantizedWeight]:
-    qweights = quantize_model_(model, plan)
+def quantize_derived(model, plan: MixedPrecisionPlan, method: str = "rtn", blocks=None) -> dict[str, QuantizedWeight]:
+    """Quantize the derived model by `plan` (rtn, or gptq with Hessians from `blocks`); the rest -> float16."""
+    if method == "gptq":
+        from llmcompress.quant.gptq import gptq_model_
+
+        qweights = gptq_model_(model, plan, blocks)
+    else:
+        qweights = quantize_model_(model, plan)
     quantized = {f"{n}.weight" for n in qweights}
     with torch.no_grad():
         for name, p in model.named_parameters():

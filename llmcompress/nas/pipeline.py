@@ -106,13 +106,19 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
             res = S.search_uniform(space, costs, cfg)
         if res.note:
             notes.append(f"{mode}: {res.note}")
+        method = "rtn" if mode == "uniform" else cfg.quant_method
+        if mode == "uniform" and cfg.quant_method == "gptq":  # the same plan with GPTQ: separates the two effects
+            extra = E.derive_model(teacher, space, res.arch)
+            E.quantize_derived(extra, E.plan_of(space, res.arch), "gptq", blocks[: cfg.gptq_blocks])
+            rows.append(_row("uniform (GPTQ)", space, res, _evaluate(extra, tok, cfg)))
+            del extra
         model = E.derive_model(teacher, space, res.arch)
         plan = E.plan_of(space, res.arch)
-        qweights = E.quantize_derived(model, plan)
+        qweights = E.quantize_derived(model, plan, method, blocks[: cfg.gptq_blocks])
         evals = _evaluate(model, tok, cfg)
-        row = _row(mode + (" (RTN)" if mode == "uniform" else ""), space, res, evals)
+        row = _row(f"{mode} ({method.upper()})", space, res, evals)
         rows.append(row)
-        summary = {"mode": mode, "avg_bits": res.metrics["bits"], "modeled_latency": res.metrics["latency"],
+        summary = {"mode": mode, "quant_method": method, "avg_bits": res.metrics["bits"], "modeled_latency": res.metrics["latency"],
                    "size_mb": res.metrics["size_mb"], "metrics": evals, "architecture": res.arch.to_dict(space),
                    "plan": plan.to_dict()}
         summaries[mode] = summary

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from llmcompress.io.atomic import append_jsonl
 from llmcompress.nas.config import NasConfig
 from llmcompress.nas.cost import CostModels
-from llmcompress.nas.space import Arch, SearchSpace, argmax_arch, repair
+from llmcompress.nas.space import Arch, SearchSpace, argmax_arch, repair, upgrade
 from llmcompress.nas.supernet import Supernet
 
 
@@ -120,11 +120,35 @@ def expected_costs(net: Supernet, costs: CostModels) -> dict[str, torch.Tensor]:
 def _finish(mode, space, costs, cfg, logits, arch=None) -> SearchResult:
     arch = arch or argmax_arch(space, logits)
     arch = repair(space, arch, logits, costs, cfg.targets())
+    arch = upgrade(space, arch, logits, costs, cfg.targets())
     return SearchResult(mode, arch, costs.metrics(arch), logits)
+
+
+def initial_logits(model, net: Supernet, cfg: NasConfig, blocks: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """Sensitivity-proxy logits (see nas/sensitivity.py), or None when cfg.init is "uniform"."""
+    if cfg.init_kappa <= 0:
+        return None
+    key = (id(model), cfg.fingerprint())
+    if key in _INIT_MEMO:  # joint and sequential in one run share it
+        return {k: v.clone() for k, v in _INIT_MEMO[key].items()}
+    from llmcompress.nas import sensitivity
+
+    calib = blocks[: cfg.sensitivity_blocks]
+    sens = sensitivity.measure(model, net.space, calib, net._qweights)
+    sens = sensitivity.calibrate(model, net.space, calib[: max(1, cfg.sensitivity_blocks // 4)], sens, net._qweights)
+    _INIT_MEMO.clear()
+    _INIT_MEMO[key] = sensitivity.init_logits(sens, kappa=cfg.init_kappa)
+    return {k: v.clone() for k, v in _INIT_MEMO[key].items()}
+
+
+_INIT_MEMO: dict = {}
 
 
 def search_joint(model, space, costs, cfg, blocks, out, resume) -> SearchResult:
     net = Supernet(model, space)
+    init = initial_logits(model, net, cfg, blocks)
+    if init is not None:
+        net.init_from(init)
     logits = run_stage(model, net, costs, cfg, blocks, out, "joint", resume)
     return _finish("joint", space, costs, cfg, logits)
 
@@ -136,6 +160,9 @@ def search_sequential(model, space, costs, cfg, blocks, out, resume) -> SearchRe
 
     half = dataclasses.replace(cfg, train_tokens=max(cfg.train_tokens // 2, cfg.seq_len * cfg.batch_size))
     net = Supernet(model, space)
+    init = initial_logits(model, net, cfg, blocks)
+    if init is not None:
+        net.init_from(init, {"keep", "width"})
     net.fix(Arch.dense(space), {"bits"})
     arch_targets = {k: v for k, v in cfg.targets().items() if k != "bits"}
     stage1_cfg = dataclasses.replace(half, target_bits=None) if arch_targets else half
@@ -149,7 +176,7 @@ def search_sequential(model, space, costs, cfg, blocks, out, resume) -> SearchRe
     net.fix(arch, {"keep", "width"})
     net.learn = {"bits"}
     with torch.no_grad():
-        net.bits.zero_()
+        net.bits.copy_(init["bits"]) if init is not None else net.bits.zero_()
     logits2 = run_stage(model, net, costs, half, blocks, out, "sequential-bits", resume)
     arch.bits = argmax_arch(space, logits2).bits
     return _finish("sequential", space, costs, cfg, logits2, arch)

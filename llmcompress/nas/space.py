@@ -200,6 +200,43 @@ def repair(space: SearchSpace, arch: Arch, logits: dict[str, torch.Tensor] | Non
     return arch
 
 
+def upgrade(space: SearchSpace, arch: Arch, logits: dict[str, torch.Tensor] | None, costs, targets: dict[str, float]) -> Arch:
+    """Greedily raise choices while every target still holds: spends the budget that argmax and repair
+    left unused, each step taking the move with the most logit gained per unit of (normalized) cost."""
+    arch = arch.copy()
+    m = costs.metrics(arch)
+    if violation(m, targets) > 1e-9:
+        return arch
+    while True:
+        best = None
+        for move in _up_moves(space, arch):
+            new = _apply(arch, move, +1)
+            m2 = costs.metrics(new)
+            if violation(m2, targets) > 1e-9:
+                continue
+            dc = sum((m2[k] - m[k]) / t for k, t in targets.items())
+            gain = _logit_drop(logits, new, move)  # logit of the raised choice minus the current one
+            score = gain / max(dc, 1e-12)
+            if gain > 0 and (best is None or score > best[0]):
+                best = (score, new, m2)
+        if best is None:
+            return arch
+        arch, m = best[1], best[2]
+
+
+def _up_moves(space: SearchSpace, arch: Arch):
+    for i in range(space.n_layers):
+        if not arch.keep[i]:
+            if space.allow_skip:
+                yield ("skip", i, None)
+            continue
+        if arch.width[i] < len(space.widths) - 1:
+            yield ("width", i, None)
+        for j, b in enumerate(arch.bits[i]):
+            if b < len(space.bits) - 1:
+                yield ("bits", i, j)
+
+
 def _moves(space: SearchSpace, arch: Arch):
     kept = sum(arch.keep)
     for i in range(space.n_layers):
@@ -214,15 +251,16 @@ def _moves(space: SearchSpace, arch: Arch):
                 yield ("bits", i, j)
 
 
-def _apply(arch: Arch, move) -> Arch:
+def _apply(arch: Arch, move, step: int = -1) -> Arch:
+    """Lower (step -1) or raise (+1) one choice; "skip" toggles the layer off (-1) or back on (+1)."""
     kind, i, j = move
     new = arch.copy()
     if kind == "skip":
-        new.keep[i] = False
+        new.keep[i] = step > 0
     elif kind == "width":
-        new.width[i] -= 1
+        new.width[i] += step
     else:
-        new.bits[i][j] -= 1
+        new.bits[i][j] += step
     return new
 
 

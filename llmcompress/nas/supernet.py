@@ -82,6 +82,12 @@ class Supernet(nn.Module):
                         self.bits[i, j] = one_hot_logits(len(s.bits), arch.bits[i][j])
         self.learn -= groups
 
+    def init_from(self, logits: dict[str, torch.Tensor], groups: set[str] | None = None) -> None:
+        """Set the named logit groups (default: all) to `logits` (e.g. sensitivity.init_logits)."""
+        with torch.no_grad():
+            for g in groups or ("keep", "width", "bits"):
+                getattr(self, g).copy_(logits[g])
+
     def trainable(self) -> list[nn.Parameter]:
         return [getattr(self, g) for g in ("keep", "width", "bits") if g in self.learn]
 

@@ -1,0 +1,122 @@
+"""The sensitivity proxy that initialises the NAS logits, and the budget-filling upgrade after repair."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, tiny_model
+
+from llmcompress.nas import sensitivity as S
+from llmcompress.nas.config import NasConfig
+from llmcompress.nas.cost import build_cost_models
+from llmcompress.nas.space import (
+    Arch,
+    _apply,
+    _up_moves,
+    build_space,
+    mlp_channel_importance,
+    permute_mlp_,
+    repair,
+    upgrade,
+    violation,
+)
+from llmcompress.quant.primitives import quantize_dequantize
+
+IDS = torch.randint(3, TINY_VOCAB, (8, 32), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    model = tiny_model("llama", layers=4)
+    cfg = NasConfig(cost_model="analytic", context_len=32, target_bits=4.0, target_latency=0.7)
+    space = build_space(model, cfg)
+    imp = mlp_channel_importance(model, IDS[:4])
+    permute_mlp_(model, [i.argsort(descending=True) for i in imp])
+    return model, cfg, space, build_cost_models(model, space, "analytic", 32)
+
+
+def test_weighted_error_is_the_expected_output_error():
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(16, 64, generator=g)
+    sigma = torch.rand(64, generator=g) * 3
+    x = torch.randn(200_000, 64, generator=g) * sigma  # independent inputs: the diagonal proxy is exact
+    W_hat = quantize_dequantize(W, 3, 16)
+    direct = ((x @ (W - W_hat).T) ** 2).sum(-1).mean()
+    assert S.weighted_error(W, W_hat, x.pow(2).mean(0)) == pytest.approx(float(direct), rel=0.02)
+
+
+def test_sensitivity_orders_choices(setup):
+    model, _, space, _ = setup
+    sens = S.measure(model, space, IDS)
+    b = sens.bits
+    assert torch.all(b[..., :-1] >= b[..., 1:])  # more bits, less error
+    assert torch.all(b[..., 0] > 0) and float(b[..., -1].max()) < 1e-3 * float(b[..., 0].min())
+    assert torch.all(sens.width[:, :-1] > sens.width[:, 1:]) and torch.all(sens.width[:, -1] == 0)
+    assert torch.all(sens.skip > 0)
+    logits = S.init_logits(sens)
+    arch_keep = (logits["keep"][:, 1] > logits["keep"][:, 0]).all()
+    assert arch_keep and torch.all(logits["width"].argmax(-1) == len(space.widths) - 1)
+
+
+def test_upgrade_fills_the_budget_and_keeps_targets(setup):
+    model, cfg, space, costs = setup
+    targets = cfg.targets()
+    logits = S.init_logits(S.measure(model, space, IDS))
+    low = repair(space, Arch.dense(space, 0), logits, costs, targets)  # already feasible: 2 bits everywhere
+    up = upgrade(space, low, logits, costs, targets)
+    m_low, m_up = costs.metrics(low), costs.metrics(up)
+    assert violation(m_up, targets) == 0 and m_up["bits"] > m_low["bits"] + 1.0
+    for move in _up_moves(space, up):  # maximal: no single raise that the logits favour still fits
+        new = _apply(up, move, +1)
+        assert violation(costs.metrics(new), targets) > 0 or float(_gain(logits, up, new)) <= 0
+
+
+def _gain(logits, old, new):
+    from llmcompress.nas.space import _logit_drop
+
+    diff = [(i, j) for i in range(len(old.bits)) for j in range(len(old.bits[i])) if old.bits[i][j] != new.bits[i][j]]
+    if diff:
+        return _logit_drop(logits, new, ("bits", *diff[0]))
+    i = next(i for i in range(len(old.width)) if old.width[i] != new.width[i] or old.keep[i] != new.keep[i])
+    return _logit_drop(logits, new, ("width" if old.width[i] != new.width[i] else "skip", i, None))
+
+
+def test_proxy_repair_beats_uniform_bits_at_equal_budget(setup):
+    """With no search steps, the proxy's greedy allocation already has a lower proxy error than uniform 4 bits."""
+    model, _, space, costs = setup
+    sens = S.measure(model, space, IDS)
+    logits = S.init_logits(sens, cap=1e9)
+    targets = {"bits": 4.0}
+    arch = upgrade(space, repair(space, Arch.dense(space), logits, costs, targets), logits, costs, targets)
+    uni = Arch.dense(space, space.bits.index(4))
+
+    def err(a):
+        return sum(float(sens.bits[i, j, a.bits[i][j]]) for i in range(space.n_layers) for j in range(len(space.linears)))
+
+    assert costs.metrics(arch)["bits"] <= 4.0 + 1e-9 and err(arch) < err(uni)
+
+
+def test_calibrated_proxy_predicts_kl_and_restores_model(setup):
+    model, _, space, _ = setup
+    with torch.no_grad():
+        before = model(input_ids=IDS[:2], use_cache=False).logits
+    sens = S.calibrate(model, space, IDS[:4], S.measure(model, space, IDS))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=IDS[:2], use_cache=False).logits, before, rtol=0, atol=0)
+    # predict a configuration that calibration did not measure: every linear at 8 bits
+    k8 = space.bits.index(8)
+    predicted = float(sens.bits[..., k8].sum())
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    mods = dict(model.named_modules())
+    with torch.no_grad():
+        ref = torch.log_softmax(model(input_ids=IDS[:4], use_cache=False).logits.float(), -1)
+        for n, m in mods.items():
+            if n.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+                m.weight.copy_(quantize_dequantize(m.weight, 8, space.group_size))
+        logp = torch.log_softmax(model(input_ids=IDS[:4], use_cache=False).logits.float(), -1)
+        measured = float((ref.exp() * (ref - logp)).sum(-1).mean())
+        for n, p in model.named_parameters():
+            p.copy_(saved[n])
+    assert predicted / 4 < measured < predicted * 4
+    assert torch.all(sens.skip > 0)
