@@ -74,6 +74,23 @@ def boundary_states(model: nn.Module, input_ids: torch.Tensor) -> tuple[list[tor
     return states, logits
 
 
+def forward_with_hooks(model: nn.Module, blocks: torch.Tensor, hooks: list, batch: int = 2) -> int:
+    """Run `model` (no grad, no cache) over `blocks` in batches, then remove `hooks` (also on error).
+    Returns the number of tokens seen: the denominator of statistics the hooks accumulate."""
+    import torch
+
+    n = 0
+    try:
+        with torch.no_grad():
+            for b in blocks.split(batch):
+                model(input_ids=b, use_cache=False)
+                n += b.numel()
+    finally:
+        for h in hooks:
+            h.remove()
+    return n
+
+
 class _StopForward(Exception):
     pass
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmcompress.io.adapters import get_adapter
+from llmcompress.io.forward import forward_with_hooks
 
 if TYPE_CHECKING:
     import torch
@@ -48,13 +49,11 @@ class Sensitivity:
 
 def input_moments(model, blocks: torch.Tensor, space: SearchSpace, batch: int = 2) -> tuple[dict, list[float], list[float]]:
     """E[x_c^2] of every searched linear's input, E||h||^2 at each layer input and E||layer(h)-h||^2."""
-    import torch
 
     layers = get_adapter(model).decoder_layers(model)
     m2: dict[tuple[int, int], torch.Tensor] = {}
     resid = [0.0] * space.n_layers
     update = [0.0] * space.n_layers
-    count = [0]
     hooks = []
     for i, layer in enumerate(layers):
         mods = dict(layer.named_modules())
@@ -70,15 +69,7 @@ def input_moments(model, blocks: torch.Tensor, space: SearchSpace, batch: int = 
             resid[i] += float(h.pow(2).sum())
             update[i] += float((y - h).pow(2).sum())
         hooks.append(layer.register_forward_hook(post, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            for b in blocks.split(batch):
-                model(input_ids=b, use_cache=False)
-                count[0] += b.numel()
-    finally:
-        for h in hooks:
-            h.remove()
-    n = max(count[0], 1)
+    n = max(forward_with_hooks(model, blocks, hooks, batch), 1)
     return {k: v / n for k, v in m2.items()}, [r / n for r in resid], [u / n for u in update]
 
 

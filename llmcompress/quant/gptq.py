@@ -67,26 +67,19 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
 
 def input_hessians(model: nn.Module, fqns: list[str], blocks: torch.Tensor, batch: int = 2) -> dict[str, torch.Tensor]:
     """E[x x^T] of each named linear's input over `blocks` (one pass; modules sharing an input share it)."""
-    import torch
 
     modules = dict(model.named_modules())
     H: dict[str, torch.Tensor] = {}
-    n = [0]
     hooks = []
     for name in fqns:
         def pre(mod, args, name=name):
             x = args[0].detach().float().reshape(-1, args[0].shape[-1])
             H[name] = H.get(name, 0) + x.T @ x
         hooks.append(modules[name].register_forward_pre_hook(pre))
-    try:
-        with torch.no_grad():
-            for b in blocks.split(batch):
-                model(input_ids=b, use_cache=False)
-                n[0] += b.numel()
-    finally:
-        for h in hooks:
-            h.remove()
-    return {k: v / max(n[0], 1) for k, v in H.items()}
+    from llmcompress.io.forward import forward_with_hooks
+
+    n = max(forward_with_hooks(model, blocks, hooks, batch), 1)
+    return {k: v / n for k, v in H.items()}
 
 
 def gptq_model_(model: nn.Module, plan: MixedPrecisionPlan, blocks: torch.Tensor, progress: bool = True) -> dict[str, QuantizedWeight]:
