@@ -54,14 +54,18 @@ def test_tiny_end_to_end(tiny_hf_dir, tmp_path):
     from llmcompress.nas.packed import load_packed
 
     spec = tmp_path / "s.yaml"
-    spec.write_text("seq_len: 32\nbatch_size: 2\ncontext_len: 32\neval_seq_len: 64\ncheckpoint_every: 1\n")
+    spec.write_text("seq_len: 32\nbatch_size: 2\ncontext_len: 32\neval_seq_len: 64\ncheckpoint_every: 1\nrefine_evals: 6\nrefine_blocks: 4\n")
     out = tmp_path / "run"
     r = nas(tiny_hf_dir, "--spec", spec, "--target-latency", "0.7", "--target-bits", "4", "--train-tokens", "128",
             "--eval-tokens", "256", "--baselines", "uniform", "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
     arch = json.loads((out / "arch.json").read_text())
     assert arch["avg_bits"] <= 4.0 + 1e-9 and arch["modeled_latency"] <= 0.7 + 1e-9 and arch["size_mb"] > 0
-    assert (out / "search_log.jsonl").read_text().count("\n") == 2
+    log = [json.loads(line) for line in (out / "search_log.jsonl").read_text().splitlines()]
+    assert sum(r["stage"] == "joint" for r in log) == 2
+    refine = arch["refine"]  # the validated last step: measured KL of the starts, then mutations
+    assert {"searched", "uniform"} <= set(refine["start_kl"]) and refine["final_kl"] <= min(refine["start_kl"].values())
+    assert sum(r["stage"] == "refine" and "step" in r for r in log) == refine["evaluated"] > 0
     report = (out / "report.md").read_text()
     assert "uniform" in arch["baselines"] and all(f"| {r} |" in report for r in ("joint (GPTQ)", "uniform (RTN)", "uniform (GPTQ)"))
     assert arch["quant_method"] == "gptq"
@@ -74,4 +78,4 @@ def test_tiny_end_to_end(tiny_hf_dir, tmp_path):
              "--eval-tokens", "0", "--baselines", "", "--out", out, "--resume")
     assert r2.returncode == 0, r2.stderr[-2000:]
     assert json.loads((out / "arch.json").read_text())["architecture"] == arch["architecture"]
-    assert (out / "search_log.jsonl").read_text().count("\n") == 2
+    assert len((out / "search_log.jsonl").read_text().splitlines()) == len(log)

@@ -20,12 +20,21 @@ class NasRun:
 
 
 def _blocks(tokenizer, cfg: NasConfig):
+    """The search's calibration blocks, and disjoint held-out blocks for the refinement (None when the
+    data holds no more)."""
     from llmcompress.data import calibration_blocks
+    from llmcompress.errors import DataError
 
     n = cfg.steps * cfg.batch_size
-    blocks, _ = calibration_blocks(tokenizer, source=cfg.calib_source, split=cfg.calib_split, seq_len=cfg.seq_len,
-                                   n_blocks=n, seed=cfg.seed)
-    return blocks
+    kw = dict(source=cfg.calib_source, split=cfg.calib_split, seq_len=cfg.seq_len, seed=cfg.seed)
+    blocks, _ = calibration_blocks(tokenizer, n_blocks=n, **kw)
+    if cfg.calib_source == "self":  # sampled text: another seed gives other blocks (offset does not apply)
+        kw["seed"] = cfg.seed + 1
+    try:
+        held_out, _ = calibration_blocks(tokenizer, n_blocks=cfg.refine_blocks, offset=len(blocks), **kw)
+    except DataError:  # the data is used up by the search: no refinement
+        held_out = None
+    return blocks, held_out
 
 
 def _evaluate(model, tokenizer, cfg: NasConfig) -> dict:
@@ -78,7 +87,7 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
     check_out_dir(out, overwrite, resume)
     out.mkdir(parents=True, exist_ok=True)
     if overwrite and not resume:
-        for p in [out / "search_log.jsonl", out / "lut.json", *out.glob("search_state_*.pt")]:
+        for p in [out / "search_log.jsonl", out / "lut.json", *out.glob("search_state_*.pt"), *out.glob("refine_*.json")]:
             p.unlink(missing_ok=True)
     seed_everything(cfg.seed)
     lm = load_model(cfg.model)
@@ -86,7 +95,7 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
     space = build_space(teacher, cfg)
     costs = _cost_models(teacher, space, cfg, out, resume)
     S.check_reachable(costs, cfg)
-    blocks = _blocks(tok, cfg)
+    blocks, held_out = _blocks(tok, cfg)
     imp = mlp_channel_importance(teacher, blocks[: min(8, len(blocks))])
     permute_mlp_(teacher, [i.argsort(descending=True, stable=True) for i in imp])
 
@@ -99,9 +108,9 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
     summaries = {}
     for mode in modes:
         if mode == "joint":
-            res = S.search_joint(teacher, space, costs, cfg, blocks, out, resume)
+            res = S.search_joint(teacher, space, costs, cfg, blocks, out, resume, held_out)
         elif mode == "sequential":
-            res = S.search_sequential(teacher, space, costs, cfg, blocks, out, resume)
+            res = S.search_sequential(teacher, space, costs, cfg, blocks, out, resume, held_out)
         else:
             res = S.search_uniform(space, costs, cfg)
         if res.note:
@@ -120,7 +129,7 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
         rows.append(row)
         summary = {"mode": mode, "quant_method": method, "avg_bits": res.metrics["bits"], "modeled_latency": res.metrics["latency"],
                    "size_mb": res.metrics["size_mb"], "metrics": evals, "architecture": res.arch.to_dict(space),
-                   "plan": plan.to_dict()}
+                   "plan": plan.to_dict(), "refine": res.refine}
         summaries[mode] = summary
         if mode == cfg.mode:
             manifest = build_manifest(source=cfg.model, source_hash=lm.source_hash, method=f"nas-{mode}", config=cfg.to_dict(),

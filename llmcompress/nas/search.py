@@ -29,6 +29,7 @@ class SearchResult:
     metrics: dict[str, float]
     logits: dict[str, torch.Tensor] | None = None
     note: str = ""
+    refine: dict | None = None
 
 
 def tau_at(cfg: NasConfig, step: int, steps: int) -> float:
@@ -144,16 +145,44 @@ def initial_logits(model, net: Supernet, cfg: NasConfig, blocks: torch.Tensor) -
 _INIT_MEMO: dict = {}
 
 
-def search_joint(model, space, costs, cfg, blocks, out, resume) -> SearchResult:
+def _refined(model, net, res: SearchResult, costs, cfg, held_out, out: Path, starts: dict, kinds: set[str],
+             resume: bool = False) -> SearchResult:
+    """The validated last step (nas/refine.py): best start by measured KL on `held_out`, then mutations.
+    Its result is saved atomically to `refine_<mode>.json`; a resumed run reuses it."""
+    if held_out is None or (cfg.refine_evals <= 0 and len(starts) == 1):  # nothing to choose or try
+        return res
+    from llmcompress.io.atomic import write_json
+    from llmcompress.nas.refine import refine
+
+    path = out / f"refine_{res.mode}.json"
+    if resume and path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("fingerprint") == cfg.fingerprint():
+            arch = Arch(saved["keep"], saved["width"], saved["bits"])
+            return SearchResult(res.mode, arch, costs.metrics(arch), res.logits, res.note, saved["summary"])
+
+    def log(rec):
+        append_jsonl(out / "search_log.jsonl", {"mode": res.mode, **rec})
+
+    r = refine(model, net, net.space, costs, cfg.targets(), starts, held_out, evals=cfg.refine_evals,
+               seed=cfg.seed + 29, kinds=kinds, logits=res.logits, log=log)
+    write_json(path, {"fingerprint": cfg.fingerprint(), "keep": r.arch.keep, "width": r.arch.width, "bits": r.arch.bits,
+                      "summary": r.summary()})
+    return SearchResult(res.mode, r.arch, costs.metrics(r.arch), res.logits, res.note, r.summary())
+
+
+def search_joint(model, space, costs, cfg, blocks, out, resume, held_out=None) -> SearchResult:
     net = Supernet(model, space)
     init = initial_logits(model, net, cfg, blocks)
     if init is not None:
         net.init_from(init)
     logits = run_stage(model, net, costs, cfg, blocks, out, "joint", resume)
-    return _finish("joint", space, costs, cfg, logits)
+    res = _finish("joint", space, costs, cfg, logits)
+    starts = {"searched": res.arch, "uniform": search_uniform(space, costs, cfg).arch}
+    return _refined(model, net, res, costs, cfg, held_out, out, starts, {"bits", "width", "skip"}, resume)
 
 
-def search_sequential(model, space, costs, cfg, blocks, out, resume) -> SearchResult:
+def search_sequential(model, space, costs, cfg, blocks, out, resume, held_out=None) -> SearchResult:
     """NAS in full precision (bits pinned to the widest), then bits searched on the fixed architecture,
     each stage with half the steps (equal total compute to joint)."""
     import dataclasses
@@ -179,7 +208,9 @@ def search_sequential(model, space, costs, cfg, blocks, out, resume) -> SearchRe
         net.bits.copy_(init["bits"]) if init is not None else net.bits.zero_()
     logits2 = run_stage(model, net, costs, half, blocks, out, "sequential-bits", resume)
     arch.bits = argmax_arch(space, logits2).bits
-    return _finish("sequential", space, costs, cfg, logits2, arch)
+    res = _finish("sequential", space, costs, cfg, logits2, arch)
+    # the same validated refinement, on the bits only: the architecture was fixed at full precision
+    return _refined(model, net, res, costs, cfg, held_out, out, {"searched": res.arch}, {"bits"}, resume)
 
 
 def _repair_or_keep(space, arch, logits, costs, targets):
