@@ -131,3 +131,23 @@ def test_make_space_single_objective_budget():
     cfg = CollapseConfig(pareto=False, target_layers=5)
     sp = make_space(cfg, 8)
     assert (sp.lo, sp.hi) == (5, 5)
+
+
+def _run_single(tmp, stop_after=None, resume=False, ev=None):
+    ev = ev or _evaluator()
+    cfg = CollapseConfig(pareto=False, target_layers=5, population=5, generations=2, seed=3, sim_blocks=1)
+    return run_search(cfg, ev, [shortgpt(ev, 5)], tmp, model_id="tiny", resume=resume, stop_after=stop_after)
+
+
+def test_single_objective_search_checkpoints_and_resumes(tmp_path, ev):
+    """--target-layers uses pymoo's GA: its state must pickle each generation, and a resumed run must
+    end where an uninterrupted one does (the GA's default tournament could not be pickled)."""
+    full = _run_single(tmp_path / "full", ev=ev)
+    assert [g.gen for g in full] == [0, 1, 2] and (tmp_path / "full" / "search_state.pkl").is_file()
+    assert all(c.n_layers == 5 for g in full for c, _, _ in g.front)
+    best = [min(f.fitness for _, f, _ in g.front) for g in full]
+    assert best == sorted(best, reverse=True)  # elitist: the best fitness never gets worse
+    _run_single(tmp_path / "cut", stop_after=0, ev=_evaluator())
+    rest = _run_single(tmp_path / "cut", resume=True, ev=_evaluator())
+    assert [g.gen for g in rest] == [1, 2]
+    assert _front(rest) == _front(full)

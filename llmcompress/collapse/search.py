@@ -67,9 +67,27 @@ def make_space(cfg: CollapseConfig, n_layers: int) -> Space:
     )
 
 
+def tournament_by_fitness(pop, P, random_state=None, **kwargs):
+    """Binary tournament of the single-objective GA: the lower fitness wins, ties at random.
+
+    The same rule as pymoo's own `comp_by_cv_and_fitness` (the collapse problem has no constraints, so
+    its CV branch never applies), but a plain module-level function: pymoo's is wrapped by a decorator
+    that pickle cannot store, which broke the per-generation checkpoint of `--target-layers` runs.
+    """
+    from pymoo.operators.selection.tournament import compare
+
+    S = np.full(P.shape[0], np.nan)
+    for i in range(P.shape[0]):
+        a, b = P[i, 0], P[i, 1]
+        S[i] = compare(a, pop[a].F, b, pop[b].F, method="smaller_is_better", return_random_if_equal=True,
+                       random_state=random_state)
+    return S[:, None].astype(int)
+
+
 def make_algorithm(cfg: CollapseConfig, space: Space, seeds: list[np.ndarray]):
     from pymoo.algorithms.moo.nsga2 import NSGA2
     from pymoo.algorithms.soo.nonconvex.ga import GA
+    from pymoo.operators.selection.tournament import TournamentSelection
 
     kwargs = dict(
         pop_size=cfg.population,
@@ -79,7 +97,9 @@ def make_algorithm(cfg: CollapseConfig, space: Space, seeds: list[np.ndarray]):
         repair=BudgetRepair(space),
         eliminate_duplicates=True,
     )
-    return NSGA2(**kwargs) if cfg.pareto else GA(**kwargs)
+    if cfg.pareto:
+        return NSGA2(**kwargs)
+    return GA(selection=TournamentSelection(func_comp=tournament_by_fitness), **kwargs)
 
 
 @dataclass
