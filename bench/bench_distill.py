@@ -163,8 +163,35 @@ def render(res: dict) -> str:
     for t, ppl in res.get("bi22_curve", []):
         m = res.get(f"bi22_{t}", {})
         lines.append(f"| {t:,} | {ppl:.2f} | {m.get('train_wall_s', '-')} | {m.get('peak_rss_mb', '-')} |")
+    for add in res.get("curve_added", []):
+        lines.append(f"\n{add['tokens']:,}-token point added later with `--curve-only` ({add['date']}, {add['threads']} thread(s), "
+                     f"load average {add['loadavg'][0]:.1f} at its end); same settings.")
     lines += ["", "![curve](RESULTS-distill-curve.png)", ""]
     return "\n".join(lines)
+
+
+def _curve_only(a) -> None:
+    """Extend the 22-layer healing curve in RESULTS-distill.json with the missing --curve-tokens points."""
+    raw = ROOT / "bench" / "RESULTS-distill.json"
+    res = json.loads(raw.read_text())
+    st = res["settings"]
+    threads = a.threads or (1 if os.getloadavg()[0] > 2.5 else 2)
+    common = ["--batch-size", st["batch_size"], "--seq-len", st["seq_len"], "--cache-dir", a.work / "cache"]
+    curve_args = ["--lr", st["curve_lr"], "--phase1-fraction", st["phase1_fraction"]]
+    curve = [tuple(x) for x in res["bi22_curve"]]
+    for t in (int(x) for x in a.curve_tokens.split(",")):
+        if any(c[0] == t for c in curve):
+            continue
+        m = run_distill(a.work / f"bi22-{t}", ["--keep-layers", 22, "--select", "bi", "--train-tokens", t, *curve_args, *common], threads)
+        curve.append((t, eval_ppl(str(a.work / f"bi22-{t}" / "student"), None, st["eval_tokens"], threads)))
+        curve.sort()
+        res["bi22_curve"] = curve
+        res[f"bi22_{t}"] = {k: m.get(k) for k in ("train_wall_s", "peak_rss_mb", "cache_s", "phase1_s", "phase2_s")}
+        res.setdefault("curve_added", []).append({"tokens": t, "date": time.strftime("%Y-%m-%d %H:%M UTC"), "threads": threads,
+                                                  "loadavg": os.getloadavg()})
+        raw.write_text(json.dumps(res, indent=2))
+    plot(curve, res["teacher_ppl"], ROOT / "bench" / "RESULTS-distill-curve.png")
+    (ROOT / "bench" / "RESULTS-distill.md").write_text(render(res) + NOTES)
 
 
 def main() -> None:
@@ -183,6 +210,8 @@ def main() -> None:
     ap.add_argument("--eval-model")
     ap.add_argument("--keep")
     ap.add_argument("--render", action="store_true", help="only rewrite RESULTS-distill.md from RESULTS-distill.json")
+    ap.add_argument("--curve-only", action="store_true",
+                    help="only add the healing-curve points of --curve-tokens missing from RESULTS-distill.json")
     a = ap.parse_args()
     if a.render:
         res = json.loads((ROOT / "bench" / "RESULTS-distill.json").read_text())
@@ -190,6 +219,8 @@ def main() -> None:
         return None
     if a.eval_model:
         return _eval_main(a.eval_model, a.keep, a.eval_tokens)
+    if a.curve_only:
+        return _curve_only(a)
     import shutil
 
     shutil.rmtree(a.work / "cache", ignore_errors=True)  # caching is part of the measured layer-wise time

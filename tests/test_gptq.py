@@ -17,11 +17,13 @@ def _data(seed=0, out=32, inp=128, n=4096):
     return W, x
 
 
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_gptq_beats_rtn_on_output_error(bits):
+def test_gptq_beats_rtn_on_output_error(bits, act_order):
     W, x = _data()
+    x = x * torch.linspace(0.2, 3.0, x.shape[1])  # unequal input energies: act-order has something to order
     H = x.T @ x / len(x)
-    q, s, z = gptq_quantize(W, H, bits, 32)
+    q, s, z = gptq_quantize(W, H, bits, 32, act_order=act_order)
     assert int(q.min()) >= 0 and int(q.max()) <= 2**bits - 1 and int(z.max()) <= 2**bits - 1
     assert torch.equal(s.to(torch.float16).float(), s)  # float16-representable scales, as RTN stores
     W_gptq = P.dequantize(q, s, z, 32)
@@ -33,11 +35,12 @@ def test_gptq_beats_rtn_on_output_error(bits):
     assert err(W_gptq) < 0.9 * err(W_rtn)
 
 
-def test_gptq_exact_for_representable_weights():
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_exact_for_representable_weights(act_order):
     W, x = _data(1, out=8, inp=64)
     q, s, z = P.quantize(W, 4, 16)
     W_rep = P.dequantize(q, s, z, 16)  # already on the grid: nothing to round, nothing to compensate
-    q2, s2, z2 = gptq_quantize(W_rep, x.T @ x / len(x), 4, 16)
+    q2, s2, z2 = gptq_quantize(W_rep, x.T @ x / len(x), 4, 16, act_order=act_order)
     torch.testing.assert_close(P.dequantize(q2, s2, z2, 16), W_rep, rtol=0, atol=1e-5)
 
 

@@ -43,7 +43,8 @@ class NasConfig:
             (annealed exponentially); lam: penalty weight of max(0, cost / target - 1).
         hidden_mse: weight of a final-hidden-state MSE next to the logit KL (0 = off).
         quant_method: how the derived plan is applied: rtn (round-to-nearest) or gptq (error compensation
-            with Hessians from `gptq_blocks` calibration blocks). The uniform baseline is always RTN.
+            with Hessians from `gptq_blocks` calibration blocks; `gptq_act_order`: columns in order of
+            decreasing input energy, static groups). The uniform baseline is always RTN.
         init_kappa: logits start at -init_kappa * (proxy error of the choice) / (median 4-bit error), from
             a diagonal-Hessian proxy on `sensitivity_blocks` calibration blocks (0 = all logits start equal).
         refine_evals: level-switch mutations scored by measured KL after the search (nas/refine.py; 0 = off,
@@ -79,7 +80,8 @@ class NasConfig:
     lam: float = 20.0
     hidden_mse: float = 0.0
     quant_method: Literal["rtn", "gptq"] = "gptq"
-    gptq_blocks: int = 32
+    gptq_blocks: int = 128
+    gptq_act_order: bool = True
     init_kappa: float = 2.0
     sensitivity_blocks: int = 8
     refine_evals: int = 0
@@ -89,7 +91,7 @@ class NasConfig:
     eval_seq_len: int = 512
     measure_speed: bool = True
     seed: int = 0
-    version: int = 3
+    version: int = 4
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

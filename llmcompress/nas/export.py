@@ -79,12 +79,13 @@ def mlp_widths(model) -> list[int]:
     return [layer.mlp.down_proj.in_features for layer in get_adapter(model).decoder_layers(model)]
 
 
-def quantize_derived(model, plan: MixedPrecisionPlan, method: str = "rtn", blocks=None) -> dict[str, QuantizedWeight]:
-    """Quantize the derived model by `plan` (rtn, or gptq with Hessians from `blocks`); the rest -> float16."""
+def quantize_derived(model, plan: MixedPrecisionPlan, method: str = "rtn", blocks=None, act_order: bool = True) -> dict[str, QuantizedWeight]:
+    """Quantize the derived model by `plan` (rtn, or gptq with Hessians from `blocks`, act-order by default);
+    the rest -> float16."""
     if method == "gptq":
         from llmcompress.quant.gptq import gptq_model_
 
-        qweights = gptq_model_(model, plan, blocks)
+        qweights = gptq_model_(model, plan, blocks, act_order=act_order)
     else:
         qweights = quantize_model_(model, plan)
     quantized = {f"{n}.weight" for n in qweights}

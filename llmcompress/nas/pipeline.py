@@ -118,12 +118,12 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
         method = "rtn" if mode == "uniform" else cfg.quant_method
         if mode == "uniform" and cfg.quant_method == "gptq":  # the same plan with GPTQ: separates the two effects
             extra = E.derive_model(teacher, space, res.arch)
-            E.quantize_derived(extra, E.plan_of(space, res.arch), "gptq", blocks[: cfg.gptq_blocks])
+            E.quantize_derived(extra, E.plan_of(space, res.arch), "gptq", blocks[: cfg.gptq_blocks], cfg.gptq_act_order)
             rows.append(_row("uniform (GPTQ)", space, res, _evaluate(extra, tok, cfg)))
             del extra
         model = E.derive_model(teacher, space, res.arch)
         plan = E.plan_of(space, res.arch)
-        qweights = E.quantize_derived(model, plan, method, blocks[: cfg.gptq_blocks])
+        qweights = E.quantize_derived(model, plan, method, blocks[: cfg.gptq_blocks], cfg.gptq_act_order)
         evals = _evaluate(model, tok, cfg)
         row = _row(f"{mode} ({method.upper()})", space, res, evals)
         rows.append(row)

@@ -20,8 +20,15 @@ if TYPE_CHECKING:
     from llmcompress.quant.plan import MixedPrecisionPlan
 
 
-def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, *, damp: float = 0.01, block: int = 128):
-    """Quantize W (out, in) against Hessian H (in, in). Returns (q int32, scale (out, G), zero (out, G))."""
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, *, damp: float = 0.01, block: int = 128,
+                  act_order: bool = False):
+    """Quantize W (out, in) against Hessian H (in, in). Returns (q int32, scale (out, G), zero (out, G)).
+
+    act_order: quantize the columns in order of decreasing Hessian diagonal (the inputs with the most energy
+    first, while the most columns remain to absorb their error), with *static* groups: each group's
+    scale/zero come from the original weights before any compensation, so the storage layout (group g =
+    columns g*group_size..) is unchanged.
+    """
     import torch
 
     P.check_bits(bits)
@@ -35,24 +42,32 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     H += damp * torch.diag(H).mean() * torch.eye(inp, dtype=H.dtype)
+    if act_order:
+        static = P.quant_params(W, bits, group_size)  # static groups, from the uncompensated weights
+        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    else:
+        perm = torch.arange(inp)
     try:
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
     except RuntimeError:  # not positive definite even after damping: fall back to RTN
-        return P.quantize(W, bits, group_size)
+        return P.quantize(W[:, torch.argsort(perm)], bits, group_size)
     qmax = 2**bits - 1
     G = inp // group_size
     scale = torch.zeros(out, G)
     zero = torch.zeros(out, G, dtype=torch.int32)
     Q = torch.zeros(out, inp, dtype=torch.int32)
+    if act_order:
+        scale, zero = static
     for i1 in range(0, inp, block):
         i2 = min(i1 + block, inp)
         W1 = W[:, i1:i2].clone()
         E1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            col = i1 + i
+            col = int(perm[i1 + i])
             g = col // group_size
-            if col % group_size == 0:
+            if not act_order and col % group_size == 0:
                 s, z = P.quant_params(W1[:, i : i + group_size], bits, group_size)
                 scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
             w = W1[:, i]
@@ -82,9 +97,11 @@ def input_hessians(model: nn.Module, fqns: list[str], blocks: torch.Tensor, batc
     return {k: v / n for k, v in H.items()}
 
 
-def gptq_model_(model: nn.Module, plan: MixedPrecisionPlan, blocks: torch.Tensor, progress: bool = True) -> dict[str, QuantizedWeight]:
+def gptq_model_(model: nn.Module, plan: MixedPrecisionPlan, blocks: torch.Tensor, progress: bool = True,
+                act_order: bool = False) -> dict[str, QuantizedWeight]:
     """GPTQ-quantize every linear the plan names (Hessians from one pass of the unquantized model); the
-    weights become their dequantized values in place. Returns the integer weights, as quantize_model_."""
+    weights become their dequantized values in place. Returns the integer weights, as quantize_model_.
+    act_order: see gptq_quantize."""
     import torch
 
     from llmcompress.progress import track
@@ -97,7 +114,7 @@ def gptq_model_(model: nn.Module, plan: MixedPrecisionPlan, blocks: torch.Tensor
     items = list(targets.items())
     for fqn, cfg in track(items, "quantizing (GPTQ)") if progress else items:
         lin = modules[fqn]
-        q, s, z = gptq_quantize(lin.weight.data, hessians.pop(fqn), cfg.bits, cfg.group_size)
+        q, s, z = gptq_quantize(lin.weight.data, hessians.pop(fqn), cfg.bits, cfg.group_size, act_order=act_order)
         qw = QuantizedWeight(q, s, z, cfg.bits, cfg.group_size)
         with torch.no_grad():
             lin.weight.copy_(qw.dequantize(lin.weight.dtype))
