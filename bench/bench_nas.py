@@ -63,14 +63,19 @@ def main() -> None:
         text += [f"Validated last step (held-out calibration blocks, RTN weights): KL of the start candidates {kls}; "
                  f"exported: {ref['start']} (+ {ref['accepted']} of {ref['evaluated']} mutations accepted), KL {ref['final_kl']:.4f}.", ""]
     seq = arch.get("baselines", {}).get("sequential")
+
+    def joint_at(lat: float, suffix: str) -> dict:
+        """Joint alone (no baselines) at another latency target; its arch.json."""
+        c = [*cmd[: cmd.index("--target-latency") + 1], str(lat), *cmd[cmd.index("--target-latency") + 2 :]]
+        c[c.index("--baselines") + 1] = ""
+        c[c.index("--out") + 1] = args.out + suffix
+        subprocess.run(c, check=True, cwd=ROOT, env=env)
+        return json.loads((ROOT / (args.out + suffix) / "arch.json").read_text())
+
     if args.equal_latency and seq and not args.reuse:
         # joint again, at the modeled latency the sequential baseline reached: the equal-latency comparison
         lat = round(seq["modeled_latency"], 4)
-        cmd2 = [*cmd[: cmd.index("--target-latency") + 1], str(lat), *cmd[cmd.index("--target-latency") + 2 :]]
-        cmd2[cmd2.index("--baselines") + 1] = ""
-        cmd2[cmd2.index("--out") + 1] = args.out + "-eqlat"
-        subprocess.run(cmd2, check=True, cwd=ROOT, env=env)
-        a2 = json.loads((ROOT / (args.out + "-eqlat") / "arch.json").read_text())
+        a2 = joint_at(lat, "-eqlat")
         p_seq, p_joint = seq["metrics"].get("ppl"), a2["metrics"].get("ppl")
         text += ["", f"Equal modeled latency: joint rerun with `--target-latency {lat}` (the latency sequential reached) "
                  f"and `--baselines ''`: joint ppl {p_joint:.2f} at latency {a2['modeled_latency']:.3f}, {a2['avg_bits']:.2f} bits, "
@@ -80,12 +85,8 @@ def main() -> None:
         # joint at 1/1.3 of sequential's latency: if its perplexity is still no worse, then at equal perplexity
         # joint reaches >= 1.3x lower modeled latency (the issue's second goal)
         lat = round(seq["modeled_latency"] / 1.3, 4)
-        cmd3 = [*cmd[: cmd.index("--target-latency") + 1], str(lat), *cmd[cmd.index("--target-latency") + 2 :]]
-        cmd3[cmd3.index("--baselines") + 1] = ""
-        cmd3[cmd3.index("--out") + 1] = args.out + "-eqppl"
         t3 = time.time()
-        subprocess.run(cmd3, check=True, cwd=ROOT, env=env)
-        a3 = json.loads((ROOT / (args.out + "-eqppl") / "arch.json").read_text())
+        a3 = joint_at(lat, "-eqppl")
         p_seq, p_joint = seq["metrics"].get("ppl"), a3["metrics"].get("ppl")
         text += ["", f"Equal perplexity ({time.strftime('%Y-%m-%d %H:%M')} UTC, {(time.time() - t3) / 60:.1f} min): joint rerun with "
                  f"`--target-latency {lat}` (sequential's {seq['modeled_latency']:.3f} / 1.3) and `--baselines ''`: joint ppl "

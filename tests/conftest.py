@@ -106,3 +106,20 @@ def smollm2():
     from llmcompress.io.load import load_model
 
     return load_model("smollm2-135m")
+
+
+def tiny_nas_setup(ids):
+    """(model, cfg, space, analytic cost models) of a 4-layer tiny llama, MLP channels ranked on `ids`
+    (targets: 4 bits average, 0.7x latency): the NAS tests' common starting point."""
+    import torch
+
+    from llmcompress.nas.config import NasConfig
+    from llmcompress.nas.cost import build_cost_models
+    from llmcompress.nas.space import build_space, mlp_channel_importance, permute_mlp_
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", layers=4)
+    cfg = NasConfig(cost_model="analytic", context_len=32, target_bits=4.0, target_latency=0.7)
+    space = build_space(model, cfg)
+    permute_mlp_(model, [i.argsort(descending=True) for i in mlp_channel_importance(model, ids[:4])])
+    return model, cfg, space, build_cost_models(model, space, "analytic", 32)

@@ -6,12 +6,10 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, tiny_model
+from conftest import TINY_VOCAB, tiny_nas_setup
 
 from llmcompress.nas import refine as R
-from llmcompress.nas.config import NasConfig
-from llmcompress.nas.cost import build_cost_models
-from llmcompress.nas.space import Arch, build_space, mlp_channel_importance, permute_mlp_, violation
+from llmcompress.nas.space import Arch, violation
 from llmcompress.nas.supernet import Supernet
 
 IDS = torch.randint(3, TINY_VOCAB, (8, 32), generator=torch.Generator().manual_seed(5))
@@ -19,13 +17,8 @@ IDS = torch.randint(3, TINY_VOCAB, (8, 32), generator=torch.Generator().manual_s
 
 @pytest.fixture(scope="module")
 def setup():
-    torch.manual_seed(0)
-    model = tiny_model("llama", layers=4)
-    cfg = NasConfig(cost_model="analytic", context_len=32, target_bits=4.0, target_latency=0.7)
-    space = build_space(model, cfg)
-    imp = mlp_channel_importance(model, IDS[:4])
-    permute_mlp_(model, [i.argsort(descending=True) for i in imp])
-    return model, cfg, space, build_cost_models(model, space, "analytic", 32), Supernet(model, space)
+    model, cfg, space, costs = tiny_nas_setup(IDS)
+    return model, cfg, space, costs, Supernet(model, space)
 
 
 def test_mutations_keep_targets_and_respect_kinds(setup):

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, tiny_model
+from conftest import TINY_VOCAB, tiny_nas_setup
 
 from llmcompress.nas import sensitivity as S
-from llmcompress.nas.config import NasConfig
-from llmcompress.nas.cost import build_cost_models
 from llmcompress.nas.space import (
     Arch,
     _apply,
     _up_moves,
-    build_space,
-    mlp_channel_importance,
-    permute_mlp_,
     repair,
     upgrade,
     violation,
@@ -27,13 +22,8 @@ IDS = torch.randint(3, TINY_VOCAB, (8, 32), generator=torch.Generator().manual_s
 
 @pytest.fixture(scope="module")
 def setup():
-    torch.manual_seed(0)
-    model = tiny_model("llama", layers=4)
-    cfg = NasConfig(cost_model="analytic", context_len=32, target_bits=4.0, target_latency=0.7)
-    space = build_space(model, cfg)
-    imp = mlp_channel_importance(model, IDS[:4])
-    permute_mlp_(model, [i.argsort(descending=True) for i in imp])
-    return model, cfg, space, build_cost_models(model, space, "analytic", 32)
+    model, cfg, space, costs = tiny_nas_setup(IDS)
+    return model, cfg, space, costs
 
 
 def test_weighted_error_is_the_expected_output_error():
