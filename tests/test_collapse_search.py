@@ -151,3 +151,17 @@ def test_single_objective_search_checkpoints_and_resumes(tmp_path, ev):
     rest = _run_single(tmp_path / "cut", resume=True, ev=_evaluator())
     assert [g.gen for g in rest] == [1, 2]
     assert _front(rest) == _front(full)
+
+
+def test_seeds_enter_the_search_unchanged(tmp_path):
+    """A baseline seed with a group longer than max_group (ShortGPT dropping a run of layers) must reach
+    the population as it is, not be repaired into another candidate."""
+    cfg = CollapseConfig(pareto=False, target_layers=4, population=4, generations=1, max_group=2, sim_blocks=1)
+    seed = Candidate.from_keep(8, {2, 3, 4, 5})  # groups (0) (1..5) (6) (7): a group of 5
+    plain = make_space(cfg, 8)
+    assert plain.decode(plain.repair_one(plain.encode(seed))) != seed  # what used to happen
+    sp = make_space(cfg, 8, [seed])
+    assert sp.decode(sp.repair_one(sp.encode(seed))) == seed
+    ev = _evaluator()
+    hist = run_search(cfg, ev, [seed], tmp_path, model_id="tiny")
+    assert min(f.fitness for _, f, _ in hist[0].front) <= ev.evaluate(seed).fitness

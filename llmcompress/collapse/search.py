@@ -52,8 +52,12 @@ class CollapseProblem(Problem):
         return state
 
 
-def make_space(cfg: CollapseConfig, n_layers: int) -> Space:
+def make_space(cfg: CollapseConfig, n_layers: int, seeds: list[Candidate] | None = None) -> Space:
+    """The search space of `cfg`; `max_group` grows to the largest group of any seed, so that repair never
+    alters a seed (a ShortGPT drop set such as drop[12..15] is one group of 5 layers: with the default 4
+    the seeded baselines were silently changed into worse candidates before the search began)."""
     lo, hi = cfg.layer_range(n_layers)
+    max_group = max([cfg.max_group, *(len(g) for s in seeds or [] for g in s.groups)])
     return Space(
         n_layers=n_layers,
         alpha_grid=tuple(float(a) for a in cfg.alpha_grid),
@@ -62,7 +66,7 @@ def make_space(cfg: CollapseConfig, n_layers: int) -> Space:
         hi=hi,
         protect_first=cfg.protect_first,
         protect_last=cfg.protect_last,
-        max_group=cfg.max_group,
+        max_group=max_group,
         fixed_alpha=0.0 if cfg.method == "drop-search" else None,
     )
 
@@ -202,7 +206,7 @@ def run_search(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    space = make_space(cfg, evaluator.n_layers)
+    space = make_space(cfg, evaluator.n_layers, seeds)
     state = load_state(out_dir, cfg, model_id) if resume else None
     if state is not None:
         algo = state["algorithm"]
