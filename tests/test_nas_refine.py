@@ -9,6 +9,7 @@ import torch
 from conftest import TINY_VOCAB, tiny_nas_setup
 
 from llmcompress.nas import refine as R
+from llmcompress.nas.sensitivity import reference_logp
 from llmcompress.nas.space import Arch, violation
 from llmcompress.nas.supernet import Supernet
 
@@ -43,7 +44,7 @@ def test_arch_kl_measures_the_quantized_model_and_restores_everything(setup):
     logits_before = net.logits()
     with torch.no_grad():
         out_before = model(input_ids=IDS[:2], use_cache=False).logits
-    ref = R.reference_logp(model, IDS)
+    ref = reference_logp(model, IDS)
     kls = [R.arch_kl(model, net, Arch.dense(space, space.bits.index(b)), IDS, ref) for b in (2, 4, 8)]
     assert kls[0] > kls[1] > kls[2] > 0
     # the same number as quantizing the weights by hand
@@ -80,10 +81,12 @@ def test_refine_starts_from_the_best_candidate_and_only_improves(setup):
     assert set(res.start_kl) == {"searched", "uniform"} and res.start == "uniform"
     assert res.start_kl["uniform"] < res.start_kl["searched"]
     assert res.kl <= res.start_kl["uniform"] and violation(costs.metrics(res.arch), targets) <= 1e-9
-    ref = R.reference_logp(model, IDS)
+    ref = reference_logp(model, IDS)
     assert R.arch_kl(model, net, res.arch, IDS, ref) == pytest.approx(res.kl, rel=1e-6)  # the reported KL is real
     best = [r["best_kl"] for r in records if "step" in r]
     assert best == sorted(best, reverse=True) and res.evaluated == len(best)
     assert res.accepted == sum(r["accepted"] for r in records if "step" in r)
     again = R.refine(model, net, space, costs, targets, {"searched": bad, "uniform": uniform}, IDS, evals=12, seed=1, kinds={"bits"})
     assert R.same_arch(again.arch, res.arch) and again.kl == res.kl  # seeded
+    twin = R.refine(model, net, space, costs, targets, {"searched": uniform.copy(), "uniform": uniform}, IDS, evals=0, seed=1)
+    assert twin.start_kl["searched"] == twin.start_kl["uniform"] == res.start_kl["uniform"] and twin.start == "searched"

@@ -79,9 +79,9 @@ def mlp_widths(model) -> list[int]:
     return [layer.mlp.down_proj.in_features for layer in get_adapter(model).decoder_layers(model)]
 
 
-def quantize_derived(model, plan: MixedPrecisionPlan, method: str = "rtn", blocks=None, act_order: bool = True) -> dict[str, QuantizedWeight]:
-    """Quantize the derived model by `plan` (rtn, or gptq with Hessians from `blocks`, act-order by default);
-    the rest -> float16."""
+def quantize_derived(model, plan: MixedPrecisionPlan, method: str = "rtn", blocks=None, act_order: bool = False) -> dict[str, QuantizedWeight]:
+    """Quantize the derived model by `plan` (rtn, or gptq with Hessians from `blocks`; `act_order`: see
+    quant.gptq.gptq_quantize); the rest -> float16."""
     if method == "gptq":
         from llmcompress.quant.gptq import gptq_model_
 

@@ -13,7 +13,7 @@ search therefore measures it, on calibration blocks the search never trained on:
 
 So the exported plan is never worse, on held-out calibration data, than any start candidate, and every
 accepted change was measured rather than predicted. Pure parts (`mutate`, `same_arch`) are separate from
-the model-running parts (`reference_logp`, `arch_kl`, `refine`).
+the model-running parts (`arch_kl`, `refine`; the KL helpers are sensitivity's).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llmcompress.nas.sensitivity import mean_kl, reference_logp
 from llmcompress.nas.space import Arch, SearchSpace, _apply, _moves, _up_moves, upgrade, violation
 
 if TYPE_CHECKING:
@@ -60,25 +61,15 @@ def mutate(space: SearchSpace, arch: Arch, costs, targets: dict[str, float], rng
     return None if same_arch(new, arch) else new
 
 
-def reference_logp(model, blocks: torch.Tensor, batch: int = 2) -> list[torch.Tensor]:
-    """The teacher's next-token log-probabilities on `blocks` (one tensor per batch)."""
-    import torch
-
-    with torch.no_grad():
-        return [torch.log_softmax(model(input_ids=b, use_cache=False).logits.float(), -1) for b in blocks.split(batch)]
-
-
 def arch_kl(model, net: Supernet, arch: Arch, blocks: torch.Tensor, ref: list[torch.Tensor], batch: int = 2) -> float:
     """Mean per-token KL(teacher || `arch` with round-to-nearest weights) on `blocks`; `net` is restored."""
-    from llmcompress.nas.sensitivity import _mean_kl
-
     saved, learn = net.logits(), set(net.learn)
     net.fix(arch, {"keep", "width", "bits"})
     net.sample(1.0)  # nothing is learned: the one-hot logits' softmax, exact to e^-60
     net.install()
     try:
         with net.student():
-            return _mean_kl(model, blocks, ref, batch)
+            return mean_kl(model, blocks, ref, batch)
     finally:
         net.remove()
         net.init_from(saved)
@@ -116,8 +107,10 @@ def refine(model, net: Supernet, space: SearchSpace, costs, targets: dict[str, f
     ref = reference_logp(model, blocks)
     start_kl: dict[str, float] = {}
     for name, a in starts.items():
-        if a is not None and violation(costs.metrics(a), targets) <= 1e-9:
-            start_kl[name] = arch_kl(model, net, a, blocks, ref)
+        if a is None or violation(costs.metrics(a), targets) > 1e-9:
+            continue
+        same = next((n for n in start_kl if same_arch(starts[n], a)), None)  # e.g. the search derived uniform
+        start_kl[name] = start_kl[same] if same is not None else arch_kl(model, net, a, blocks, ref)
     name = min(start_kl, key=start_kl.__getitem__)  # ties: the first listed (the search's own)
     res = RefineResult(starts[name].copy(), start_kl[name], name, start_kl)
     if log:
@@ -151,4 +144,4 @@ def refine(model, net: Supernet, space: SearchSpace, costs, targets: dict[str, f
     return res
 
 
-__all__ = ["RefineResult", "arch_kl", "mutate", "reference_logp", "refine", "same_arch"]
+__all__ = ["RefineResult", "arch_kl", "mutate", "refine", "same_arch"]

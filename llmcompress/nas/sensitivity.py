@@ -107,7 +107,16 @@ def measure(model, space: SearchSpace, blocks: torch.Tensor, qweights: dict | No
     return Sensitivity(bits, width, skip)
 
 
-def _mean_kl(model, blocks, ref_logp, batch: int = 2) -> float:
+def reference_logp(model, blocks: torch.Tensor, batch: int = 2) -> list[torch.Tensor]:
+    """The model's next-token log-probabilities on `blocks` (one tensor per batch), for `mean_kl`."""
+    import torch
+
+    with torch.no_grad():
+        return [torch.log_softmax(model(input_ids=b, use_cache=False).logits.float(), -1) for b in blocks.split(batch)]
+
+
+def mean_kl(model, blocks, ref_logp, batch: int = 2) -> float:
+    """Mean per-token KL(reference || model now) on `blocks`, against `reference_logp`'s output."""
     import torch
 
     total, n = 0.0, 0
@@ -131,8 +140,7 @@ def calibrate(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity
     from llmcompress.quant.primitives import quantize_dequantize
 
     layers = get_adapter(model).decoder_layers(model)
-    with torch.no_grad():
-        ref = [torch.log_softmax(model(input_ids=b, use_cache=False).logits.float(), -1) for b in blocks.split(batch)]
+    ref = reference_logp(model, blocks, batch)
     # bits: per layer, all its linears quantized at once, at ~4 bits and at the lowest width (errors
     # compound superlinearly there); within a layer the proxy splits the measured KL between the linears;
     # factors in between are interpolated geometrically, above ~4 bits the 4-bit factor holds
@@ -149,7 +157,7 @@ def calibrate(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity
                     saved.append(W.detach().clone())
                     W.copy_(qweights[(i, j)][k] if qweights is not None else quantize_dequantize(W, space.bits[k], space.group_size))
             try:
-                kl = _mean_kl(model, blocks, ref, batch)
+                kl = mean_kl(model, blocks, ref, batch)
             finally:
                 with torch.no_grad():
                     for j, name in enumerate(space.linears):
@@ -168,7 +176,7 @@ def calibrate(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity
     for i, layer in enumerate(layers):
         h = layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: (torch.cat([a[0][..., :w], torch.zeros_like(a[0][..., w:])], -1),))
         try:
-            kl = _mean_kl(model, blocks, ref, batch)
+            kl = mean_kl(model, blocks, ref, batch)
         finally:
             h.remove()
         wfac[i] = max(kl, 1e-12) / max(float(sens.width[i, kw]), 1e-30)
@@ -180,7 +188,7 @@ def calibrate(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity
             return (h, *out[1:]) if isinstance(out, tuple) else h
         h = layer.register_forward_hook(identity, with_kwargs=True)
         try:
-            skip[i] = _mean_kl(model, blocks, ref, batch)
+            skip[i] = mean_kl(model, blocks, ref, batch)
         finally:
             h.remove()
     bits = sens.bits * factor[:, None, :]
@@ -201,4 +209,4 @@ def init_logits(sens: Sensitivity, kappa: float = 2.0, cap: float = 1e4) -> dict
     return {"keep": keep, "width": f(sens.width), "bits": f(sens.bits)}
 
 
-__all__ = ["Sensitivity", "calibrate", "input_moments", "init_logits", "measure", "weighted_error"]
+__all__ = ["Sensitivity", "calibrate", "init_logits", "input_moments", "mean_kl", "measure", "reference_logp", "weighted_error"]

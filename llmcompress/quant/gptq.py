@@ -54,11 +54,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
         return P.quantize(W[:, torch.argsort(perm)], bits, group_size)
     qmax = 2**bits - 1
     G = inp // group_size
-    scale = torch.zeros(out, G)
-    zero = torch.zeros(out, G, dtype=torch.int32)
+    scale, zero = static if act_order else (torch.zeros(out, G), torch.zeros(out, G, dtype=torch.int32))
     Q = torch.zeros(out, inp, dtype=torch.int32)
-    if act_order:
-        scale, zero = static
     for i1 in range(0, inp, block):
         i2 = min(i1 + block, inp)
         W1 = W[:, i1:i2].clone()
