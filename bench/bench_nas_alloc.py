@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 GROUPS = {"attn": [0, 1, 2, 3], "mlp": [4, 5, 6]}  # indices into space.linears
@@ -104,6 +105,22 @@ def main() -> None:
         del H
         torch.save(wq, wpath)
     meas = blocks[: a.measure_blocks]
+
+    @contextmanager
+    def swapped(choice: dict):
+        """The model with unit (layer, group) -> GPTQ weights at `bits` swapped in; restored on exit."""
+        fs = {space.fqn(i, space.linears[j]): b for (i, g), b in choice.items() for j in GROUPS[g]}
+        saved = {f: mods[f].weight.detach().clone() for f in fs}
+        with torch.no_grad():
+            for f, b in fs.items():
+                mods[f].weight.copy_(wq[(f, b)])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for f, s in saved.items():
+                    mods[f].weight.copy_(s)
+
     tpath = a.work / f"table_{'-'.join(map(str, bits))}_{a.measure_blocks}.json"
     if tpath.exists():
         raw = json.loads(tpath.read_text())
@@ -111,17 +128,10 @@ def main() -> None:
         ref = reference_logp(model, meas)
         raw = {}
         for i in range(space.n_layers):
-            for g, idx in GROUPS.items():
-                fs = [space.fqn(i, space.linears[j]) for j in idx]
-                saved = [mods[f].weight.detach().clone() for f in fs]
+            for g in GROUPS:
                 for b in bits:
-                    with torch.no_grad():
-                        for f in fs:
-                            mods[f].weight.copy_(wq[(f, b)])
-                    raw[f"{i}.{g}.{b}"] = mean_kl(model, meas, ref)
-                with torch.no_grad():
-                    for f, s in zip(fs, saved):
-                        mods[f].weight.copy_(s)
+                    with swapped({(i, g): b}):
+                        raw[f"{i}.{g}.{b}"] = mean_kl(model, meas, ref)
             print(f"layer {i} measured, {time.time() - t0:.0f}s", flush=True)
         tpath.write_text(json.dumps(raw))
     units = [(i, g) for i in range(space.n_layers) for g in GROUPS]
@@ -130,18 +140,8 @@ def main() -> None:
     ref_h = reference_logp(model, held)
 
     def evaluate(choice: dict) -> tuple[float, float]:
-        saved = {f: mods[f].weight.detach().clone() for f in fqns}
-        with torch.no_grad():
-            for (i, g), b in choice.items():
-                for j in GROUPS[g]:
-                    f = space.fqn(i, space.linears[j])
-                    mods[f].weight.copy_(wq[(f, b)])
-        kl = mean_kl(model, held, ref_h)
-        ppl = perplexity(model, tok, "wikitext2", seq_len=512, max_tokens=a.eval_tokens)["ppl"]
-        with torch.no_grad():
-            for f, s in saved.items():
-                mods[f].weight.copy_(s)
-        return kl, ppl
+        with swapped(choice):
+            return mean_kl(model, held, ref_h), perplexity(model, tok, "wikitext2", seq_len=512, max_tokens=a.eval_tokens)["ppl"]
 
     uni = {u: 4 for u in units}
     rows = [("uniform 4", uni, 4.0, evaluate(uni))]
