@@ -88,6 +88,9 @@ def test_tiny_pareto_run_writes_everything(tmp_path, tiny_hf_dir, tiny_spec):
     assert [r["gen"] for r in log] == [0, 1] and "hv_val" in log[-1]
     models = sorted((out / "models").iterdir())
     assert len(models) == len(front["front"])
+    walks = json.loads((out / "refine_state.json").read_text())  # every saved count was refined (save: all)
+    assert set(walks) == {str(r["layers"]) for r in front["front"]} and all(w["done"] for w in walks.values())
+    assert "refined by swap moves" in front["selection"]
     from transformers import AutoModelForCausalLM
 
     manifest = json.loads((models[0] / "llmcompress.json").read_text())

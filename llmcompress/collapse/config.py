@@ -39,6 +39,9 @@ class CollapseConfig:
         p_cut_move, p_cut_flip, p_alpha, p_crossover: mutation and crossover rates.
         max_group: largest number of original layers merged into one.
         protect_first / protect_last: keep the first / last N layers as they are.
+        refine_steps: after the search, swap moves from the solution at the target (Pareto mode: at the
+            counts `save` picks), each screened on `refine_screen_blocks` calibration blocks with the
+            `refine_top` best evaluated in full (refine.py); 0 turns refinement off.
         baselines: baselines computed (and seeded into the population) in a gelaco/drop-search run.
         laco_threshold: LaCo's representation-similarity acceptance threshold; laco_blocks: its data size.
         max_cache_gb: memory budget for cached boundary states (beyond it they go to disk).
@@ -76,6 +79,9 @@ class CollapseConfig:
     max_group: int = 4
     protect_first: int = 1
     protect_last: int = 1
+    refine_steps: int = 2
+    refine_screen_blocks: int = 4
+    refine_top: int = 4
     baselines: list[str] = field(default_factory=lambda: ["shortgpt", "laco"])
     laco_threshold: float = 0.95
     laco_blocks: int = 1
@@ -117,6 +123,8 @@ class CollapseConfig:
                 raise UserError(f"unknown baseline {b!r}", "use shortgpt and/or laco")
         if self.calib_tokens < self.seq_len or self.val_tokens < self.seq_len:
             raise UserError("calibration and validation need at least one block each", f"use {self.seq_len} tokens or more")
+        if self.refine_steps < 0 or self.refine_screen_blocks < 1 or self.refine_top < 1:
+            raise UserError("refine_steps must be >= 0, refine_screen_blocks and refine_top >= 1", "fix the search spec")
         if self.kl_stride < 1 or self.kl_topk < 1 or self.max_group < 2:
             raise UserError("kl_stride and kl_topk must be >= 1 and max_group >= 2", "fix the search spec")
         if n_layers is not None:

@@ -104,7 +104,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
     if resume:
         load_state(out_dir, cfg, cfg.model)  # wrong model/config: one-line error before any work
     elif overwrite and out_dir.exists():
-        for stale in ("search_state.pkl", "search_log.jsonl"):
+        for stale in ("search_state.pkl", "search_log.jsonl", "refine_state.json"):
             (out_dir / stale).unlink(missing_ok=True)
     seed_everything(cfg.seed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -114,6 +114,35 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
         return _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar)
     finally:
         ev.close()
+
+
+def _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar):
+    """Refine (swap moves with racing, `refine.py`) the picks at the layer counts that will be reported:
+    the target, or in Pareto mode the counts `--save` chooses; each refined solution replaces its pick."""
+    from llmcompress.collapse.export import solution_record
+    from llmcompress.collapse.refine import STATE_FILE, refine
+    from llmcompress.collapse.search import make_space
+
+    if target is not None:
+        counts = {target}
+    else:
+        records = nondominated([solution_record(f"{c.n_layers}L", c, f, v) for c, f, v in picks],
+                               key=lambda r: (r["layers"], r["fitness_val"]))
+        counts = {r["layers"] for r in E.choose_to_save(records, cfg.save)}
+    space = make_space(cfg, ev.n_layers, seeds)
+    out = []
+    for c, f, v in picks:
+        if c.n_layers not in counts:
+            out.append((c, f, v))
+            continue
+        with bar(f"refine {c.n_layers} layers", total=cfg.refine_steps) as b:
+            def tick(rec):
+                b.advance(info=f"calib {rec['fitness_calib']:.3f}" + (f" (val {rec['fitness_val']:.3f})" if "fitness_val" in rec else " local optimum"))
+
+            res = refine(ev, space, c, steps=cfg.refine_steps, screen_blocks=cfg.refine_screen_blocks, top=cfg.refine_top,
+                         state_path=out_dir / STATE_FILE, on_step=tick)
+        out.append((res.best, ev.evaluate(res.best), ev.evaluate(res.best, "val")))
+    return out, counts
 
 
 def _compare_counts(cfg, lo, hi, target) -> list[int]:
@@ -129,6 +158,7 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
     counts = list(range(lo, hi + 1)) if cfg.method in ("shortgpt", "laco") and cfg.pareto else _compare_counts(cfg, lo, hi, target)
     base = baseline_candidates(cfg, ev, sorted(set(counts) | set(_compare_counts(cfg, lo, hi, target))), lo)
     t0 = time.perf_counter()
+    refined: set[int] = set()
     if cfg.method in ("gelaco", "drop-search"):
         seeds = [c for per in base.values() for c in per.values()]
         if cfg.method == "drop-search":
@@ -146,6 +176,8 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
         if stop_after is not None and history and history[-1].gen < cfg.generations:
             return CollapseResult(out_dir, [], [])
         picks = select_by_validation(ev, lo, hi)
+        if cfg.refine_steps > 0 and picks:
+            picks, refined = _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar)
     else:
         picks = [(c, ev.evaluate(c), ev.evaluate(c, "val")) for n, c in sorted(base[cfg.method].items()) if lo <= n <= hi]
     search_s = time.perf_counter() - t0
@@ -154,6 +186,8 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
         records = nondominated(records, key=lambda r: (r["layers"], r["fitness_val"]))
     cands = {f"{cfg.method}-{c.n_layers}L": c for c, _, _ in picks}
     chosen = E.choose_to_save(records, cfg.save)
+    if cfg.save == "knee" and len(refined) == 1:  # the knee was refined: save the refined solution at its count
+        chosen = [r for r in records if r["layers"] in refined] or chosen
     saved_counts = {r["layers"] for r in chosen}
     baseline_rows = [
         _record(ev, f"{m}-{n}L", m, c)
@@ -185,7 +219,9 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
         "validation": f"{ev.refs['val'].label}, {cfg.val_tokens} tokens (disjoint blocks)",
         "evaluations": ev.stats.evaluations, "evals_per_s": ev.stats.per_second, "search_seconds": search_s,
         "eval_tokens": cfg.eval_tokens, "eval_seq_len": cfg.eval_seq_len, "piqa_limit": cfg.piqa_limit,
-        "selection": "per layer count, best calibration candidates re-ranked by validation fitness",
+        "selection": "per layer count, best calibration candidates re-ranked by validation fitness"
+                     + (f"; at {sorted(refined)} layers refined by swap moves (up to {cfg.refine_steps}, racing on "
+                        f"{cfg.refine_screen_blocks} calibration blocks), the walk's best point on validation" if refined else ""),
         "config": cfg.to_dict(),
     }
     E.write_front(out_dir, records, baseline_rows, meta)
