@@ -39,9 +39,10 @@ class CollapseConfig:
         p_cut_move, p_cut_flip, p_alpha, p_crossover: mutation and crossover rates.
         max_group: largest number of original layers merged into one.
         protect_first / protect_last: keep the first / last N layers as they are.
-        refine_steps: after the search, swap moves from the solution at the target (Pareto mode: at the
-            counts `save` picks), each screened on `refine_screen_blocks` calibration blocks with the
-            `refine_top` best evaluated in full (refine.py); 0 turns refinement off.
+        refine_steps: after the search, the solution at the target (Pareto mode: at the counts `save`
+            picks) walks up to this many swap moves, then (gelaco) as many swap or merge-coefficient
+            moves; each step screens every neighbour on `refine_screen_blocks` calibration blocks and
+            evaluates the `refine_top` best in full (refine.py); 0 turns refinement off.
         baselines: baselines computed (and seeded into the population) in a gelaco/drop-search run.
         laco_threshold: LaCo's representation-similarity acceptance threshold; laco_blocks: its data size.
         max_cache_gb: memory budget for cached boundary states (beyond it they go to disk).
@@ -79,7 +80,7 @@ class CollapseConfig:
     max_group: int = 4
     protect_first: int = 1
     protect_last: int = 1
-    refine_steps: int = 2
+    refine_steps: int = 1
     refine_screen_blocks: int = 4
     refine_top: int = 4
     baselines: list[str] = field(default_factory=lambda: ["shortgpt", "laco"])

@@ -117,7 +117,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
 
 
 def _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar):
-    """Refine (swap moves with racing, `refine.py`) the picks at the layer counts that will be reported:
+    """Refine (swap and coefficient moves with racing, `refine.py`) the picks at the layer counts that will be reported:
     the target, or in Pareto mode the counts `--save` chooses; each refined solution replaces its pick."""
     from llmcompress.collapse.export import solution_record
     from llmcompress.collapse.refine import STATE_FILE, refine
@@ -135,7 +135,8 @@ def _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar):
         if c.n_layers not in counts:
             out.append((c, f, v))
             continue
-        with bar(f"refine {c.n_layers} layers", total=cfg.refine_steps) as b:
+        phases = 1 if space.fixed_alpha is not None else 2  # swaps, then swaps + coefficient changes
+        with bar(f"refine {c.n_layers} layers", total=phases * (cfg.refine_steps + 1)) as b:
             def tick(rec):
                 b.advance(info=f"calib {rec['fitness_calib']:.3f}" + (f" (val {rec['fitness_val']:.3f})" if "fitness_val" in rec else " local optimum"))
 
@@ -220,7 +221,7 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
         "evaluations": ev.stats.evaluations, "evals_per_s": ev.stats.per_second, "search_seconds": search_s,
         "eval_tokens": cfg.eval_tokens, "eval_seq_len": cfg.eval_seq_len, "piqa_limit": cfg.piqa_limit,
         "selection": "per layer count, best calibration candidates re-ranked by validation fitness"
-                     + (f"; at {sorted(refined)} layers refined by swap moves (up to {cfg.refine_steps}, racing on "
+                     + (f"; at {sorted(refined)} layers refined by swap moves (up to {cfg.refine_steps} per phase, racing on "
                         f"{cfg.refine_screen_blocks} calibration blocks), the walk's best point on validation" if refined else ""),
         "config": cfg.to_dict(),
     }
