@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--val-tokens", type=int, default=2048)
     ap.add_argument("--population", type=int, default=8)
     ap.add_argument("--generations", type=int, default=4)
-    ap.add_argument("--refine-steps", type=int, default=4, help="swap moves per budget after each search (0: off)")
+    ap.add_argument("--refine-steps", type=int, default=4, help="refinement moves per phase and budget after each search (0: off)")
     ap.add_argument("--refine-screen-blocks", type=int, default=4)
     ap.add_argument("--refine-top", type=int, default=4)
     ap.add_argument("--ppl-tokens", type=int, default=32768)
@@ -128,7 +128,7 @@ def main() -> None:
         f"(seq 256, disjoint blocks); population {args.population}, generations {args.generations}, NSGA-II over 18..29 layers; "
         f"perplexity on the first {args.ppl_tokens} tokens of WikiText-2 raw test and {args.shakespeare_tokens} tokens of "
         f"tinyshakespeare valid, seq-len 512. After each search, the solution at each budget is refined by up to "
-        f"{args.refine_steps} swap moves (screen {args.refine_screen_blocks} calibration blocks, top {args.refine_top} in full; "
+        f"{args.refine_steps} moves per phase (swaps, then for gelaco swaps + coefficient changes; screen {args.refine_screen_blocks} calibration blocks, top {args.refine_top} in full; "
         f"the walk's best point on validation is reported). {os.cpu_count()} CPU cores, load average at start {load0:.1f}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",

@@ -27,7 +27,7 @@ def collapse_command(
     population: Annotated[Optional[int], typer.Option("--population", help="Population size.")] = None,
     generations: Annotated[Optional[int], typer.Option("--generations", help="Generations after the initial population.")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed (same seed, same front).")] = None,
-    refine_steps: Annotated[Optional[int], typer.Option("--refine-steps", help="Swap moves after the search at the saved layer counts (0: off).")] = None,
+    refine_steps: Annotated[Optional[int], typer.Option("--refine-steps", help="Refinement moves per phase (swaps, then swaps + merge coefficients) at the saved layer counts (0: off).")] = None,
     save: Annotated[Optional[str], typer.Option("--save", help="Checkpoints to write: knee | all | LAYERS[,LAYERS].")] = None,
     spec: Annotated[Optional[Path], typer.Option("--spec", help="YAML search spec (CLI flags override its fields).")] = None,
     calib_tokens: Annotated[Optional[int], typer.Option("--calib-tokens", help="Calibration tokens.")] = None,

@@ -16,7 +16,7 @@ lower on calibration from there.
 
 Each step scores every neighbour on a few calibration blocks (the *screen*, a prefix of the calibration
 split), evaluates the `top` best on the whole calibration split, and moves to the best of those if it
-beats the incumbent there. The walk stops at a local optimum or after `steps` moves. The solution
+beats the incumbent there. Each phase stops at a local optimum or after `steps` moves. The solution
 returned is the point of the walk with the best *validation* fitness (the search never optimizes on it),
 so a walk that starts to overfit its calibration tokens gives back its earlier point.
 
@@ -170,7 +170,7 @@ def refine(
     state_path: Path | None = None,
     on_step=None,
 ) -> RefineResult:
-    """Walk from `start` by swap moves with racing (see the module docstring).
+    """Walk from `start` by swap, then swap and coefficient, moves with racing (see the module docstring).
 
     Args:
         ev: the evaluator (its calibration split decides the moves, its validation split the result).
