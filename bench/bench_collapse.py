@@ -5,8 +5,9 @@
 
 Writes bench/RESULTS-collapse.md. Searches run once each in Pareto mode (NSGA-II, 18..29 layers); the
 solution at each budget is the best on calibration re-ranked by validation (never optimized on), then
-refined by swap moves with racing (`llmcompress/collapse/refine.py`, `--refine-steps`), keeping the walk's
-best point on validation.
+refined with racing (`llmcompress/collapse/refine.py`, `--refine-steps`: swap moves, then for gelaco swaps and
+merge-coefficient changes), keeping the walk's best point on validation. drop-search runs first; gelaco's
+population is seeded with its final solutions as well as ShortGPT's and LaCo's.
 Perplexity: WikiText-2 raw test (first --ppl-tokens tokens) and tinyshakespeare valid, both at seq-len 512.
 """
 
@@ -78,6 +79,8 @@ def main() -> None:
     for method in ("drop-search", "gelaco"):
         mcfg = dataclasses.replace(cfg, method=method)
         ms = [s for s in seeds if method == "gelaco" or all(a == 0.0 for g in s.alphas for t in g for a in t)]
+        if method == "gelaco":  # drop-only candidates are part of gelaco's space: it starts where drop-search ended
+            ms = [c for c in found.get("drop-search", {}).values() if c not in ms] + ms
         t0 = time.perf_counter()
         ev.archive.clear()  # each method selects only among what its own search (and its seeds) evaluated
         for c in ms:
@@ -129,7 +132,8 @@ def main() -> None:
         f"perplexity on the first {args.ppl_tokens} tokens of WikiText-2 raw test and {args.shakespeare_tokens} tokens of "
         f"tinyshakespeare valid, seq-len 512. After each search, the solution at each budget is refined by up to "
         f"{args.refine_steps} moves per phase (swaps, then for gelaco swaps + coefficient changes; screen {args.refine_screen_blocks} calibration blocks, top {args.refine_top} in full; "
-        f"the walk's best point on validation is reported). {os.cpu_count()} CPU cores, load average at start {load0:.1f}; "
+        f"the walk's best point on validation is reported). gelaco's population is seeded with ShortGPT's, LaCo's and drop-search's "
+        f"final solutions (drop-only candidates are part of its space), so its time adds to drop-search's. {os.cpu_count()} CPU cores, load average at start {load0:.1f}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
         "| method | layers | WikiText-2 ppl | tinyshakespeare ppl | KL calib | KL val | changes |",

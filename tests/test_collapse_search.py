@@ -39,6 +39,18 @@ def test_encode_decode_roundtrip():
         assert sorted(i for g in c.groups for i in g) == list(range(10))
 
 
+def test_describe_names_dropped_layers_and_merge_coefficients():
+    drop = Candidate.from_keep(10, {3, 4, 7})
+    assert drop.describe() == "drop[3, 4] drop[7]"
+    sp = Space(10, (0.0, 0.25, 0.5, 0.75, 1.0), lo=7, hi=7)
+    x = sp.encode(drop)
+    x[9 + 4 * sp.n_kinds + 1] = 3  # layer 4's MLP back at 0.75 in the group led by layer 2
+    assert sp.decode(x).describe() == "merge[2, 3, 4](4 mlp 0.75) drop[7]"
+    x[9 + 7 * sp.n_kinds : 9 + 8 * sp.n_kinds] = 4  # layer 7 replaces layer 6 in every kind (LaCo's merge)
+    assert sp.decode(x).describe() == "merge[2, 3, 4](4 mlp 0.75) merge[6, 7](7 1)"
+    assert Candidate.from_keep(10, set()).describe() == "original"
+
+
 @pytest.mark.parametrize("lo,hi", [(5, 5), (6, 6), (5, 9)])
 def test_repair_respects_budget(lo, hi):
     sp = Space(12, (0.0, 0.5, 1.0), lo=lo, hi=hi, max_group=4)

@@ -62,8 +62,14 @@ class Candidate:
             a = self.alphas[g]
             if all(v == 0.0 for t in a for v in t):
                 parts.append(f"drop{list(grp[1:])}")
-            else:
-                parts.append(f"merge{list(grp)}")
+            else:  # non-zero coefficients per absorbed layer: merge[15, 16, 17, 18](18 mlp 0.75), merge[3, 4](4 1)
+                coef = []
+                for j, t in enumerate(a):
+                    if len(set(t)) == 1:
+                        coef += [f"{grp[j + 1]} {t[0]:g}"] if t[0] != 0.0 else []
+                    else:
+                        coef += [f"{grp[j + 1]} {k} {v:g}" for k, v in zip(KINDS, t) if v != 0.0]
+                parts.append(f"merge{list(grp)}({', '.join(coef)})")
         return " ".join(parts) or "original"
 
     @staticmethod
