@@ -97,3 +97,31 @@ def test_tiny_pareto_run_writes_everything(tmp_path, tiny_hf_dir, tiny_spec):
     m = AutoModelForCausalLM.from_pretrained(models[0])
     assert m.config.num_hidden_layers == len(manifest["layer_map"]) == manifest["layers"]
     assert sorted(i for e in manifest["layer_map"] for i in e["sources"]) == list(range(4))
+    # a run killed without cleanup (SIGKILL) leaves spilled states behind; the next run in the dir removes them
+    stale = out / "collapse-states-killed"
+    stale.mkdir()
+    (stale / "b0.pt").write_bytes(b"\0" * 1024)
+    r = cli(tiny_hf_dir, "--spec", tiny_spec, "--pareto", "--resume", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert not list(out.glob("collapse-states-*"))
+
+
+def test_sigterm_unwinds_like_ctrl_c():
+    """SIGTERM raises KeyboardInterrupt in the command (finally blocks run), exit 130, handler restored."""
+    import signal
+    import time
+
+    from llmcompress.cli._errors import run_app
+
+    cleaned = []
+
+    def app(args, prog_name, standalone_mode):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            cleaned.append(True)
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert run_app(app, []) == 130
+    assert cleaned == [True] and signal.getsignal(signal.SIGTERM) is before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 
@@ -14,6 +15,7 @@ def run_app(app, argv: list[str] | None = None) -> int:
     from llmcompress.errors import UserError
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    previous = _sigterm_interrupts()
     try:
         app(args=argv, prog_name="llmcompress", standalone_mode=False)
         return 0
@@ -42,3 +44,19 @@ def run_app(app, argv: list[str] | None = None) -> int:
             raise
         print(f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (rerun with --debug for the traceback)", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _sigterm_interrupts():
+    """SIGTERM (kill, a scheduler's time limit) unwinds like Ctrl-C, so cleanup runs (spilled caches, temp
+    files) and the same resume message is printed. Returns the previous handler (None off the main thread)."""
+    try:
+        return signal.signal(signal.SIGTERM, _raise_interrupt)
+    except ValueError:  # not the main thread of the main interpreter
+        return None

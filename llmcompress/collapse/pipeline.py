@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,8 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
             (out_dir / stale).unlink(missing_ok=True)
     seed_everything(cfg.seed)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("collapse-states-*"):  # states spilled to disk by a killed run: never reused
+        shutil.rmtree(stale, ignore_errors=True)
     write_json(out_dir / "config.json", cfg.to_dict())
     ev = prepare(cfg, lm, cache_dir=out_dir)
     try:
