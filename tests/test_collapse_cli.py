@@ -90,7 +90,7 @@ def test_tiny_pareto_run_writes_everything(tmp_path, tiny_hf_dir, tiny_spec):
     assert len(models) == len(front["front"])
     walks = json.loads((out / "refine_state.json").read_text())  # every saved count was refined (save: all)
     assert set(walks) == {str(r["layers"]) for r in front["front"]} and all(w["done"] for w in walks.values())
-    assert "refined by swap moves" in front["selection"]
+    assert "refined by a walk of swap moves, then swap or merge-coefficient moves" in front["selection"]
     from transformers import AutoModelForCausalLM
 
     manifest = json.loads((models[0] / "llmcompress.json").read_text())

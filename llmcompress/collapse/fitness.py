@@ -62,6 +62,9 @@ def block_influence(states: list[torch.Tensor]) -> list[float]:
 # ---------------------------------------------------------------- the original's cache
 
 
+STATES_PREFIX = "collapse-states-"  # spilled boundary states: one temp dir per run, removed on close
+
+
 class StateStore:
     """Boundary hidden states, (n, T, H) per boundary, kept in memory or memory-mapped from disk."""
 
@@ -72,7 +75,7 @@ class StateStore:
         self.on_disk = total > max_bytes
         self._dir = None
         if self.on_disk:
-            self._dir = Path(tempfile.mkdtemp(prefix="collapse-states-", dir=cache_dir))
+            self._dir = Path(tempfile.mkdtemp(prefix=STATES_PREFIX, dir=cache_dir))
             self._states = []
             for i, s in enumerate(states):
                 path = self._dir / f"b{i}.pt"

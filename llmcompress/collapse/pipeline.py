@@ -109,7 +109,9 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
             (out_dir / stale).unlink(missing_ok=True)
     seed_everything(cfg.seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob("collapse-states-*"):  # states spilled to disk by a killed run: never reused
+    from llmcompress.collapse.fitness import STATES_PREFIX
+
+    for stale in out_dir.glob(STATES_PREFIX + "*"):  # states spilled to disk by a killed run: never reused
         shutil.rmtree(stale, ignore_errors=True)
     write_json(out_dir / "config.json", cfg.to_dict())
     ev = prepare(cfg, lm, cache_dir=out_dir)
@@ -147,6 +149,14 @@ def _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar):
                          state_path=out_dir / STATE_FILE, on_step=tick)
         out.append((res.best, ev.evaluate(res.best), ev.evaluate(res.best, "val")))
     return out, counts
+
+
+def _refined_text(cfg, refined: set[int]) -> str:
+    if not refined:
+        return ""
+    moves = "swap moves, then swap or merge-coefficient moves" if cfg.method == "gelaco" else "swap moves"
+    return (f"; at {sorted(refined)} layers refined by a walk of {moves} (up to {cfg.refine_steps} per phase, racing on "
+            f"{cfg.refine_screen_blocks} calibration blocks), the walk's best point on validation")
 
 
 def _compare_counts(cfg, lo, hi, target) -> list[int]:
@@ -223,9 +233,7 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
         "validation": f"{ev.refs['val'].label}, {cfg.val_tokens} tokens (disjoint blocks)",
         "evaluations": ev.stats.evaluations, "evals_per_s": ev.stats.per_second, "search_seconds": search_s,
         "eval_tokens": cfg.eval_tokens, "eval_seq_len": cfg.eval_seq_len, "piqa_limit": cfg.piqa_limit,
-        "selection": "per layer count, best calibration candidates re-ranked by validation fitness"
-                     + (f"; at {sorted(refined)} layers refined by swap moves (up to {cfg.refine_steps} per phase, racing on "
-                        f"{cfg.refine_screen_blocks} calibration blocks), the walk's best point on validation" if refined else ""),
+        "selection": "per layer count, best calibration candidates re-ranked by validation fitness" + _refined_text(cfg, refined),
         "config": cfg.to_dict(),
     }
     E.write_front(out_dir, records, baseline_rows, meta)
