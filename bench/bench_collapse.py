@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--refine-steps", type=int, default=4, help="refinement moves per phase and budget after each search (0: off)")
     ap.add_argument("--refine-screen-blocks", type=int, default=4)
     ap.add_argument("--refine-top", type=int, default=4)
+    ap.add_argument("--tune-steps", type=int, default=48, help="gelaco: Adam steps tuning the merge coefficients of each refined solution (0: off)")
+    ap.add_argument("--tune-lr", type=float, default=0.05)
     ap.add_argument("--ppl-tokens", type=int, default=32768)
     ap.add_argument("--shakespeare-tokens", type=int, default=8192)
     ap.add_argument("--speed-sample", type=int, default=8, help="gelaco candidates timed with and without caches")
@@ -61,6 +63,7 @@ def main() -> None:
     from llmcompress.collapse.pipeline import prepare
     from llmcompress.collapse.refine import refine
     from llmcompress.collapse.search import make_space, run_search, select_by_validation
+    from llmcompress.collapse.tune import tune
     from llmcompress.eval.perplexity import perplexity
     from llmcompress.io.load import load_model
 
@@ -75,7 +78,7 @@ def main() -> None:
     laco_path = B.laco(ev, min(BUDGETS), threshold=cfg.laco_threshold, n_blocks=cfg.laco_blocks)
     found["laco"] = {n: laco_path[n] for n in BUDGETS if n in laco_path}
     seeds = list(found["shortgpt"].values()) + list(found["laco"].values())
-    wall, wall_search, walks = {}, {}, {}
+    wall, wall_search, walks, tunings, tune_wall = {}, {}, {}, {}, 0.0
     for method in ("drop-search", "gelaco"):
         mcfg = dataclasses.replace(cfg, method=method)
         ms = [s for s in seeds if method == "gelaco" or all(a == 0.0 for g in s.alphas for t in g for a in t)]
@@ -111,6 +114,15 @@ def main() -> None:
                 "cached reference only (candidate from layer 0)": evals_per_second(ev, sample, False, True),
                 "no cache (original and candidate rerun)": evals_per_second(ev, sample, False, False),
             }
+            if args.tune_steps > 0:  # the library's coefficient tuning of each refined solution (after the speed sample)
+                t1 = time.perf_counter()
+                for n in BUDGETS:
+                    if n in found[method]:
+                        res = tune(ev, found[method][n], steps=args.tune_steps, lr=args.tune_lr)
+                        tunings[n] = (found[method][n], res)
+                        found[method][n] = res.best
+                        print("tuned", n, res.fitness_val_start, "->", res.fitness_val_tuned, res.accepted, flush=True)
+                tune_wall = time.perf_counter() - t1
 
     def ppl(model):
         w = perplexity(model, lm.tokenizer, "wikitext2", seq_len=512, max_tokens=args.ppl_tokens)["ppl"]
@@ -120,6 +132,9 @@ def main() -> None:
     rows = [("dense", 30, *ppl(lm.model), 0.0, 0.0, "original")]
     for method, per in found.items():
         for n in BUDGETS:
+            if method == "gelaco" and n in tunings and tunings[n][1].tuned != tunings[n][0]:
+                c = tunings[n][0]  # the walk's solution before tuning, to show what tuning adds
+                rows.append(("gelaco before tuning", n, *ppl(build_model(lm.model, c)), ev.evaluate(c).kl, ev.evaluate(c, "val").kl, c.describe()))
             if n in per:
                 c = per[n]
                 rows.append((method, n, *ppl(build_model(lm.model, c)), ev.evaluate(c).kl, ev.evaluate(c, "val").kl, c.describe()))
@@ -132,7 +147,8 @@ def main() -> None:
         f"perplexity on the first {args.ppl_tokens} tokens of WikiText-2 raw test and {args.shakespeare_tokens} tokens of "
         f"tinyshakespeare valid, seq-len 512. After each search, the solution at each budget is refined by up to "
         f"{args.refine_steps} moves per phase (swaps, then for gelaco swaps + coefficient changes; screen {args.refine_screen_blocks} calibration blocks, top {args.refine_top} in full; "
-        f"the walk's best point on validation is reported). gelaco's population is seeded with ShortGPT's, LaCo's and drop-search's "
+        f"the walk's best point on validation is reported); then gelaco's merge coefficients are tuned by {args.tune_steps} Adam steps "
+        f"(lr {args.tune_lr}) on the calibration KL within [0, 1], kept where the validation fitness drops. gelaco's population is seeded with ShortGPT's, LaCo's and drop-search's "
         f"final solutions (drop-only candidates are part of its space), so its time adds to drop-search's. {os.cpu_count()} CPU cores, load average at start {load0:.1f}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
@@ -141,6 +157,7 @@ def main() -> None:
     ]
     lines += [f"| {m} | {n} | {w:.2f} | {s:.2f} | {kc:.3f} | {kv:.3f} | {d} |" for m, n, w, s, kc, kv, d in rows]
     lines += ["", "Search wall time (search + refinement): " + ", ".join(f"{k} {v:.0f} s ({wall_search[k]:.0f} s + {v - wall_search[k]:.0f} s)" for k, v in wall.items()),
+              f"gelaco coefficient tuning: {tune_wall:.0f} s for {len(tunings)} solutions; validation fitness before -> after: " + ", ".join(f"{n}: {r.fitness_val_start:.3f} -> {r.fitness_val_tuned:.3f} ({'kept' if r.accepted else 'rejected'})" for n, (_, r) in tunings.items()),
               "Refinement moves per budget: " + ", ".join(f"{m} {n}: {k}{' (local optimum)' if lo else ''}" for (m, n), (k, lo) in walks.items()),
               f"Fitness evaluations per second on {len(first)} candidates sampled from the gelaco search "
               f"(first changed layer: {sorted(first)}):",

@@ -91,6 +91,9 @@ def test_tiny_pareto_run_writes_everything(tmp_path, tiny_hf_dir, tiny_spec):
     walks = json.loads((out / "refine_state.json").read_text())  # every saved count was refined (save: all)
     assert set(walks) == {str(r["layers"]) for r in front["front"]} and all(w["done"] for w in walks.values())
     assert "refined by a walk of swap moves, then swap or merge-coefficient moves" in front["selection"]
+    assert "merge coefficients tuned by 48 Adam steps" in front["selection"]
+    tunings = json.loads((out / "tune_state.json").read_text())  # then their merge coefficients were tuned
+    assert set(tunings) == set(walks) and all(len(t["records"]) == 48 for t in tunings.values())
     from transformers import AutoModelForCausalLM
 
     manifest = json.loads((models[0] / "llmcompress.json").read_text())

@@ -15,7 +15,7 @@ def test_tiny_pareto_search_on_smollm2(smollm2, tmp_path):
 
     cfg = CollapseConfig(
         population=4, generations=1, calib_tokens=512, val_tokens=256, min_layers=27, baselines=["shortgpt"],
-        eval_tokens=0, piqa_limit=0, save="knee",
+        eval_tokens=0, piqa_limit=0, save="knee", tune_steps=4,
     )
     result = run_collapse(cfg, tmp_path / "run", lm=smollm2)
     assert result.front and result.saved

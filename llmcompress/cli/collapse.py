@@ -28,6 +28,7 @@ def collapse_command(
     generations: Annotated[Optional[int], typer.Option("--generations", help="Generations after the initial population.")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed (same seed, same front).")] = None,
     refine_steps: Annotated[Optional[int], typer.Option("--refine-steps", help="Refinement moves per phase (swaps, then swaps + merge coefficients) at the saved layer counts (0: off).")] = None,
+    tune_steps: Annotated[Optional[int], typer.Option("--tune-steps", help="gelaco: Adam steps tuning the merge coefficients of the refined solutions on the calibration KL (0: off).")] = None,
     save: Annotated[Optional[str], typer.Option("--save", help="Checkpoints to write: knee | all | LAYERS[,LAYERS].")] = None,
     spec: Annotated[Optional[Path], typer.Option("--spec", help="YAML search spec (CLI flags override its fields).")] = None,
     calib_tokens: Annotated[Optional[int], typer.Option("--calib-tokens", help="Calibration tokens.")] = None,
@@ -54,6 +55,7 @@ def collapse_command(
         raise UserError(f"unknown method {method!r}", f"use one of {', '.join(METHODS)}")
     overrides = {
         "model": model, "method": method, "population": population, "generations": generations, "seed": seed, "refine_steps": refine_steps,
+        "tune_steps": tune_steps,
         "save": save, "calib_tokens": calib_tokens, "val_tokens": val_tokens, "calib_source": calib_data,
         "eval_tokens": eval_tokens, "piqa_limit": piqa_limit, "max_cache_gb": max_cache_gb,
     }

@@ -43,6 +43,9 @@ class CollapseConfig:
             picks) walks up to this many swap moves, then (gelaco) as many swap or merge-coefficient
             moves; each step screens every neighbour on `refine_screen_blocks` calibration blocks and
             evaluates the `refine_top` best in full (refine.py); 0 turns refinement off.
+        tune_steps, tune_lr: then (gelaco) the merge coefficients of those solutions are tuned by
+            `tune_steps` Adam steps at `tune_lr` on the calibration KL, within [0, 1], and kept if they
+            lower the validation fitness (tune.py); 0 turns tuning off.
         baselines: baselines computed (and seeded into the population) in a gelaco/drop-search run.
         laco_threshold: LaCo's representation-similarity acceptance threshold; laco_blocks: its data size.
         max_cache_gb: memory budget for cached boundary states (beyond it they go to disk).
@@ -83,6 +86,8 @@ class CollapseConfig:
     refine_steps: int = 1
     refine_screen_blocks: int = 4
     refine_top: int = 4
+    tune_steps: int = 48
+    tune_lr: float = 0.05
     baselines: list[str] = field(default_factory=lambda: ["shortgpt", "laco"])
     laco_threshold: float = 0.95
     laco_blocks: int = 1
@@ -126,6 +131,8 @@ class CollapseConfig:
             raise UserError("calibration and validation need at least one block each", f"use {self.seq_len} tokens or more")
         if self.refine_steps < 0 or self.refine_screen_blocks < 1 or self.refine_top < 1:
             raise UserError("refine_steps must be >= 0, refine_screen_blocks and refine_top >= 1", "fix the search spec")
+        if self.tune_steps < 0 or not self.tune_lr > 0:
+            raise UserError("tune_steps must be >= 0 and tune_lr > 0", "fix the search spec, e.g. tune_steps: 48, tune_lr: 0.05")
         if self.kl_stride < 1 or self.kl_topk < 1 or self.max_group < 2:
             raise UserError("kl_stride and kl_topk must be >= 1 and max_group >= 2", "fix the search spec")
         if n_layers is not None:

@@ -105,7 +105,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
     if resume:
         load_state(out_dir, cfg, cfg.model)  # wrong model/config: one-line error before any work
     elif overwrite and out_dir.exists():
-        for stale in ("search_state.pkl", "search_log.jsonl", "refine_state.json"):
+        for stale in ("search_state.pkl", "search_log.jsonl", "refine_state.json", "tune_state.json"):
             (out_dir / stale).unlink(missing_ok=True)
     seed_everything(cfg.seed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -121,9 +121,15 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
         ev.close()
 
 
+def _tunes(cfg) -> bool:
+    return cfg.method == "gelaco" and cfg.tune_steps > 0
+
+
 def _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar):
-    """Refine (swap and coefficient moves with racing, `refine.py`) the picks at the layer counts that will be reported:
-    the target, or in Pareto mode the counts `--save` chooses; each refined solution replaces its pick."""
+    """Refine (swap and coefficient moves with racing, `refine.py`), then for gelaco tune the merge coefficients
+    (`tune.py`), the picks at the layer counts that will be reported: the target, or in Pareto mode the counts
+    `--save` chooses; each refined solution replaces its pick."""
+    from llmcompress.collapse import tune as T
     from llmcompress.collapse.export import solution_record
     from llmcompress.collapse.refine import STATE_FILE, refine
     from llmcompress.collapse.search import make_space
@@ -140,23 +146,36 @@ def _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar):
         if c.n_layers not in counts:
             out.append((c, f, v))
             continue
-        phases = 1 if space.fixed_alpha is not None else 2  # swaps, then swaps + coefficient changes
-        with bar(f"refine {c.n_layers} layers", total=phases * (cfg.refine_steps + 1)) as b:
-            def tick(rec):
-                b.advance(info=f"calib {rec['fitness_calib']:.3f}" + (f" (val {rec['fitness_val']:.3f})" if "fitness_val" in rec else " local optimum"))
+        best = c
+        if cfg.refine_steps > 0:
+            phases = 1 if space.fixed_alpha is not None else 2  # swaps, then swaps + coefficient changes
+            with bar(f"refine {c.n_layers} layers", total=phases * (cfg.refine_steps + 1)) as b:
+                def tick(rec):
+                    b.advance(info=f"calib {rec['fitness_calib']:.3f}" + (f" (val {rec['fitness_val']:.3f})" if "fitness_val" in rec else " local optimum"))
 
-            res = refine(ev, space, c, steps=cfg.refine_steps, screen_blocks=cfg.refine_screen_blocks, top=cfg.refine_top,
-                         state_path=out_dir / STATE_FILE, on_step=tick)
-        out.append((res.best, ev.evaluate(res.best), ev.evaluate(res.best, "val")))
+                best = refine(ev, space, c, steps=cfg.refine_steps, screen_blocks=cfg.refine_screen_blocks, top=cfg.refine_top,
+                              state_path=out_dir / STATE_FILE, on_step=tick).best
+        if _tunes(cfg) and best.first_changed() is not None:
+            with bar(f"tune {c.n_layers} layers", total=cfg.tune_steps) as b:
+                tuned = T.tune(ev, best, steps=cfg.tune_steps, lr=cfg.tune_lr, per_kind=cfg.alpha_per_kind,
+                               state_path=out_dir / T.STATE_FILE, on_step=lambda rec: b.advance(info=f"KL {rec['kl_batch']:.3f}"))
+            best = tuned.best
+        out.append((best, ev.evaluate(best), ev.evaluate(best, "val")))
     return out, counts
 
 
 def _refined_text(cfg, refined: set[int]) -> str:
     if not refined:
         return ""
-    moves = "swap moves, then swap or merge-coefficient moves" if cfg.method == "gelaco" else "swap moves"
-    return (f"; at {sorted(refined)} layers refined by a walk of {moves} (up to {cfg.refine_steps} per phase, racing on "
-            f"{cfg.refine_screen_blocks} calibration blocks), the walk's best point on validation")
+    text = f"; at {sorted(refined)} layers"
+    if cfg.refine_steps > 0:
+        moves = "swap moves, then swap or merge-coefficient moves" if cfg.method == "gelaco" else "swap moves"
+        text += (f" refined by a walk of {moves} (up to {cfg.refine_steps} per phase, racing on "
+                 f"{cfg.refine_screen_blocks} calibration blocks), the walk's best point on validation")
+    if _tunes(cfg):
+        text += (("," if cfg.refine_steps > 0 else "") + f" merge coefficients tuned by {cfg.tune_steps} Adam steps on the "
+                 "calibration KL, kept where they lower the validation fitness")
+    return text
 
 
 def _compare_counts(cfg, lo, hi, target) -> list[int]:
@@ -190,7 +209,7 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
         if stop_after is not None and history and history[-1].gen < cfg.generations:
             return CollapseResult(out_dir, [], [])
         picks = select_by_validation(ev, lo, hi)
-        if cfg.refine_steps > 0 and picks:
+        if (cfg.refine_steps > 0 or _tunes(cfg)) and picks:
             picks, refined = _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar)
     else:
         picks = [(c, ev.evaluate(c), ev.evaluate(c, "val")) for n, c in sorted(base[cfg.method].items()) if lo <= n <= hi]

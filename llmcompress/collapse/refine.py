@@ -137,7 +137,8 @@ def add_screen(ev: Evaluator, blocks: int) -> None:
     ev.memo = {k: v for k, v in ev.memo.items() if k[0] != SCREEN}
 
 
-def _load(path: Path | None, key: str) -> dict | None:
+def load_entry(path: Path | None, key: str) -> dict | None:
+    """The entry `key` of a JSON state file (None when the file or the entry is missing or unreadable)."""
     if path is None or not path.is_file():
         return None
     try:
@@ -146,7 +147,8 @@ def _load(path: Path | None, key: str) -> dict | None:
         return None
 
 
-def _save(path: Path | None, key: str, entry: dict) -> None:
+def save_entry(path: Path | None, key: str, entry: dict) -> None:
+    """Set entry `key` of a JSON state file, written atomically (None: keep nothing)."""
     if path is None:
         return
     from llmcompress.io.atomic import write_json
@@ -182,7 +184,7 @@ def refine(
         on_step: callback(record) after each step.
     """
     key = str(start.n_layers)
-    saved = _load(state_path, key) or {}
+    saved = load_entry(state_path, key) or {}
     trajectory = [candidate_from_json(c) for c in saved["trajectory"]] if saved else [start]
     records: list[dict] = list(saved.get("records", []))
     phases = ["swap"] + (["swap+alpha"] if space.fixed_alpha is None else [])
@@ -191,7 +193,7 @@ def refine(
     local_opt = bool(saved.get("local_optimum"))
 
     def save(done_now: bool) -> None:
-        _save(state_path, key, {"trajectory": [candidate_to_json(c) for c in trajectory], "records": records, "phase": phase,
+        save_entry(state_path, key, {"trajectory": [candidate_to_json(c) for c in trajectory], "records": records, "phase": phase,
                                 "phase_start": phase_start, "done": done_now, "local_optimum": local_opt})
 
     if steps > 0 and not done:
@@ -232,4 +234,4 @@ def refine(
     return RefineResult(best, trajectory, records, local_opt)
 
 
-__all__ = ["RefineResult", "add_screen", "alpha_neighbours", "neighbours", "candidate_from_json", "candidate_to_json", "group_sizes", "refine", "swap_neighbours"]
+__all__ = ["RefineResult", "add_screen", "load_entry", "save_entry", "alpha_neighbours", "neighbours", "candidate_from_json", "candidate_to_json", "group_sizes", "refine", "swap_neighbours"]
