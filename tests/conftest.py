@@ -53,6 +53,19 @@ def tiny_model(family: str = "llama", layers: int = 4, seed: int = 0):
     return model.eval()
 
 
+def tiny_collapse_evaluator(layers: int = 8, *, seed: int = 0, data_seed: int = 0, max_bytes: float = 1e9, use_prefix: bool = True, cache_dir=None):
+    """A collapse Evaluator on a tiny llama: 6 calibration and 3 validation blocks of 24 random tokens."""
+    import torch
+
+    from llmcompress.collapse.fitness import Evaluator, build_reference
+
+    model = tiny_model("llama", layers=layers, seed=seed)
+    g = torch.Generator().manual_seed(data_seed)
+    cb, vb = torch.randint(3, TINY_VOCAB, (6, 24), generator=g), torch.randint(3, TINY_VOCAB, (3, 24), generator=g)
+    kw = dict(topk=16, stride=2, batch=3, max_bytes=max_bytes, cache_dir=cache_dir)
+    return Evaluator(model, build_reference(model, cb, **kw), build_reference(model, vb, **kw), batch=3, use_prefix=use_prefix)
+
+
 class ByteTokenizer:
     """A minimal tokenizer for tiny models: one token per byte (vocab 256)."""
 

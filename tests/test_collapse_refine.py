@@ -6,10 +6,8 @@ import itertools
 
 import numpy as np
 import pytest
-import torch
-from conftest import TINY_VOCAB, tiny_model
+from conftest import tiny_collapse_evaluator
 
-from llmcompress.collapse.fitness import Evaluator, build_reference
 from llmcompress.collapse.refine import (
     STATE_FILE,
     candidate_from_json,
@@ -22,11 +20,7 @@ from llmcompress.collapse.space import Candidate, Space
 
 
 def _evaluator(layers=10, seed=0):
-    model = tiny_model("llama", layers=layers, seed=seed)
-    g = torch.Generator().manual_seed(1)
-    cb, vb = torch.randint(3, TINY_VOCAB, (6, 24), generator=g), torch.randint(3, TINY_VOCAB, (3, 24), generator=g)
-    kw = dict(topk=16, stride=2, batch=3, max_bytes=1e9)
-    return Evaluator(model, build_reference(model, cb, **kw), build_reference(model, vb, **kw), batch=3)
+    return tiny_collapse_evaluator(layers, seed=seed, data_seed=1)
 
 
 def _space(L=10, n=7, **kw):

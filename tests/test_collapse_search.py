@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from conftest import TINY_VOCAB, tiny_model
+from conftest import tiny_collapse_evaluator
 
 from llmcompress.collapse.baselines import laco, shortgpt
 from llmcompress.collapse.config import CollapseConfig
-from llmcompress.collapse.fitness import Evaluator, build_reference
 from llmcompress.collapse.search import make_space, run_search, select_by_validation
 from llmcompress.collapse.space import Candidate, Space
 
 
 def _evaluator(layers=8, max_bytes=1e9, use_prefix=True, tmp=None):
-    model = tiny_model("llama", layers=layers)
-    g = torch.Generator().manual_seed(0)
-    cb, vb = torch.randint(3, TINY_VOCAB, (6, 24), generator=g), torch.randint(3, TINY_VOCAB, (3, 24), generator=g)
-    kw = dict(topk=16, stride=2, batch=3, max_bytes=max_bytes, cache_dir=tmp)
-    return Evaluator(model, build_reference(model, cb, **kw), build_reference(model, vb, **kw), batch=3, use_prefix=use_prefix)
+    return tiny_collapse_evaluator(layers, max_bytes=max_bytes, use_prefix=use_prefix, cache_dir=tmp)
 
 
 @pytest.fixture(scope="module")

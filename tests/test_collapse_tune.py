@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import torch
-from conftest import TINY_VOCAB, tiny_model
+from conftest import tiny_collapse_evaluator
 
-from llmcompress.collapse.fitness import Evaluator, build_reference, topk_kl
+from llmcompress.collapse.fitness import topk_kl
 from llmcompress.collapse.operator import merge_tensors
 from llmcompress.collapse.space import Candidate
 from llmcompress.collapse.tune import STATE_FILE, _Group, blend, tune
 from llmcompress.io.forward import run_layers
 
 
-def _evaluator(layers=8, seed=0):
-    model = tiny_model("llama", layers=layers, seed=seed)
-    g = torch.Generator().manual_seed(1)
-    cb, vb = torch.randint(3, TINY_VOCAB, (6, 24), generator=g), torch.randint(3, TINY_VOCAB, (3, 24), generator=g)
-    kw = dict(topk=16, stride=2, batch=3, max_bytes=1e9)
-    return Evaluator(model, build_reference(model, cb, **kw), build_reference(model, vb, **kw), batch=3)
+def _evaluator(layers=8):
+    return tiny_collapse_evaluator(layers, data_seed=1)
 
 
 def _start():
