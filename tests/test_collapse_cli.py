@@ -44,6 +44,7 @@ def tiny_spec(tmp_path):
         (["--population", "0", "--pareto"], "population"),
         (["--generations", "-1", "--pareto"], "generations"),
         (["--ratio", "1.5"], "--ratio"),
+        (["--tune-steps", "-1", "--pareto"], "tune_steps"),
     ],
 )
 def test_bad_inputs_fail_fast_with_one_line(tmp_path, args, needle):

@@ -132,7 +132,7 @@ class CollapseConfig:
         if self.refine_steps < 0 or self.refine_screen_blocks < 1 or self.refine_top < 1:
             raise UserError("refine_steps must be >= 0, refine_screen_blocks and refine_top >= 1", "fix the search spec")
         if self.tune_steps < 0 or not self.tune_lr > 0:
-            raise UserError("tune_steps must be >= 0 and tune_lr > 0", "fix the search spec, e.g. tune_steps: 48, tune_lr: 0.05")
+            raise UserError(f"tune_steps must be >= 0 and tune_lr > 0, got {self.tune_steps} and {self.tune_lr}", "use --tune-steps 0 or more (0 turns tuning off) and a positive tune_lr in the spec")
         if self.kl_stride < 1 or self.kl_topk < 1 or self.max_group < 2:
             raise UserError("kl_stride and kl_topk must be >= 1 and max_group >= 2", "fix the search spec")
         if n_layers is not None:
