@@ -73,6 +73,9 @@ def main() -> None:
     cfg = CollapseConfig(calib_tokens=args.calib_tokens, val_tokens=args.val_tokens, population=args.population,
                          generations=args.generations, min_layers=min(BUDGETS))
     ev = prepare(cfg, lm)
+    import atexit
+
+    atexit.register(ev.close)  # states spilled to a temp dir (1.1 GB at 16,384 validation tokens) go on any exit but SIGKILL
     scores = B.shortgpt_scores(ev)
     found = {"shortgpt": {n: B.shortgpt(ev, n, scores) for n in BUDGETS}}
     laco_path = B.laco(ev, min(BUDGETS), threshold=cfg.laco_threshold, n_blocks=cfg.laco_blocks)
