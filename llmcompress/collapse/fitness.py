@@ -252,21 +252,27 @@ class Evaluator:
 
         if cand.first_changed() is None and self.use_prefix and self.use_reference:
             return 0.0
-        norm, head = self.adapter.norm(self.model), self.adapter.head(self.model)
         total, count = 0.0, 0
         with torch.no_grad():
             for s in range(0, ref.n_blocks, self.batch):
                 rows = slice(s, s + self.batch)
                 h = self.final_hidden(cand, ref, rows)[:, :: ref.stride]
-                logp = torch.log_softmax(head(norm(h)).float(), dim=-1)
                 top_idx, top_logp = ref.top_idx[rows], ref.top_logp[rows]
                 if not self.use_reference:  # naive baseline: rerun the original on the tokens
                     logits = self.model(input_ids=ref.blocks[rows], use_cache=False).logits[:, :: ref.stride]
                     top_logp, top_idx = torch.log_softmax(logits.float(), dim=-1).topk(top_idx.shape[-1], dim=-1)
-                kl = topk_kl(logp, top_idx, top_logp)
+                kl = self.scored_kl(h, top_idx, top_logp)
                 total += float(kl.sum())
                 count += kl.numel()
         return total / count
+
+    def scored_kl(self, h: torch.Tensor, top_idx: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
+        """Per-position top-k KL of a candidate's last hidden state `h` (before the final norm, at the scored
+        positions) against the original's top-k log-probabilities; differentiable in `h` (tune.py)."""
+        import torch
+
+        logits = self.adapter.head(self.model)(self.adapter.norm(self.model)(h))
+        return topk_kl(torch.log_softmax(logits.float(), dim=-1), top_idx, top_logp)
 
     def similarity(self, cand: Candidate) -> float:
         """Mean residual-update cosine of the changed groups, weighted by the layers each group removes."""

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmcompress.collapse.config import KINDS
-from llmcompress.collapse.fitness import Evaluator, topk_kl
+from llmcompress.collapse.fitness import Evaluator
 from llmcompress.collapse.refine import candidate_from_json, candidate_to_json, load_entry, save_entry
 from llmcompress.collapse.space import Candidate
 
@@ -174,7 +174,6 @@ def tune(
         layers = [groups[g].module if g in groups else ev.layers[grp[0]] for g, grp in enumerate(start.groups)][g0:]
         origin = [grp[0] for grp in start.groups][g0:]
         first = start.groups[g0][0]
-        norm, head = ev.adapter.norm(ev.model), ev.adapter.head(ev.model)
         opt = torch.optim.Adam([grp.alphas for grp in groups.values()], lr=lr)
         starts = list(range(0, ref.n_blocks, batch))
         records = []
@@ -184,8 +183,7 @@ def tune(
                 for grp in groups.values():
                     grp.materialize()
                 h = run_layers(ev.model, ref.states.get(first, rows), layers, origin, output="hidden")[:, :: ref.stride]
-                logp = torch.log_softmax(head(norm(h)).float(), dim=-1)
-                loss = topk_kl(logp, ref.top_idx[rows], ref.top_logp[rows]).mean()
+                loss = ev.scored_kl(h, ref.top_idx[rows], ref.top_logp[rows]).mean()
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
