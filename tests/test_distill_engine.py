@@ -79,6 +79,26 @@ def test_layerwise_trains_writes_outputs_and_reuses_cache(tiny_hf_dir, data_file
     assert [r["step"] for r in read_log(out) if r["phase"] == "e2e"] == [0, 1]
 
 
+def test_cross_entropy_term_in_last_segment_and_e2e_steps(tiny_hf_dir, data_file, tmp_path):
+    cfg = make_cfg(tiny_hf_dir, data_file, tmp_path, ce_weight=1.0, e2e_steps=8)
+    res = distill(cfg, tmp_path / "out")
+    log = read_log(tmp_path / "out")
+    last = len(res.segments) - 1
+    assert all(("ce" in r) == (r["segment"] == last) for r in log if r["phase"] in (1, 2))
+    e2e = [r for r in log if r["phase"] == "e2e"]
+    assert len(e2e) == 8 and all(r["loss"] == pytest.approx(r["kl"] + r["ce"], rel=1e-4) for r in e2e)
+    assert sum(r["ce"] for r in e2e[-2:]) / 2 < e2e[0]["ce"]  # the student learns the training text
+    # the term changes the training: same run without it gives other weights
+    ref = distill(make_cfg(tiny_hf_dir, data_file, tmp_path, e2e_steps=8), tmp_path / "ref")
+    assert ref.metrics["cache_dir"] == res.metrics["cache_dir"]
+    a, b = student_state(tmp_path / "out"), student_state(tmp_path / "ref")
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    # hard labels alone (no logit KL) still train the last segment on them
+    res = distill(make_cfg(tiny_hf_dir, data_file, tmp_path, ce_weight=1.0, kl_weight=0.0), tmp_path / "ce_only")
+    tail = [r for r in read_log(tmp_path / "ce_only") if r["phase"] in (1, 2) and r["segment"] == len(res.segments) - 1]
+    assert tail and all("ce" in r and "kl" not in r for r in tail)
+
+
 def test_resume_after_interruption_equals_uninterrupted(tiny_hf_dir, data_file, tmp_path, monkeypatch):
     cfg = make_cfg(tiny_hf_dir, data_file, tmp_path, keep_layers=3, train_tokens=32 * 4 * 4)
     distill(cfg, tmp_path / "ref")

@@ -101,6 +101,24 @@ def test_losses_are_zero_at_match_and_positive_otherwise():
     assert losses.kl_logits(a, b).item() > 0
 
 
+def test_logit_objective_adds_next_token_cross_entropy():
+    g = torch.Generator().manual_seed(1)
+    s_logits = torch.randn(2, 5, 11, generator=g)
+    t_logits = torch.randn(2, 5, 11, generator=g)
+    ids = torch.randint(0, 11, (2, 5), generator=g)
+    pure, parts = losses.logit_objective(s_logits, t_logits, ids)
+    assert pure.item() == pytest.approx(losses.kl_logits(s_logits, t_logits).item()) and "ce" not in parts
+    # position t predicts ids[:, t + 1]; the last position has no target
+    logp = torch.log_softmax(s_logits, -1)
+    manual = -sum(logp[b, t, ids[b, t + 1]] for b in range(2) for t in range(4)) / 8
+    mixed, parts = losses.logit_objective(s_logits, t_logits, ids, ce_weight=0.5)
+    assert parts["ce"] == pytest.approx(manual.item(), rel=1e-5)
+    assert mixed.item() == pytest.approx(parts["kl"] + 0.5 * manual.item(), rel=1e-5)
+    # at the teacher's logits the KL is zero but the hard labels still pull
+    same, parts = losses.logit_objective(t_logits, t_logits, ids, ce_weight=1.0)
+    assert abs(parts["kl"]) < 1e-6 and same.item() == pytest.approx(parts["ce"]) and parts["ce"] > 0
+
+
 # -------------------------------------------------------------------------------------------- cache
 
 

@@ -50,6 +50,7 @@ def distill_command(
     lr: Annotated[Optional[float], typer.Option("--lr", help="AdamW learning rate (default: 2e-3 layer-wise, 5e-4 e2e).")] = None,
     hidden_loss: Annotated[LossChoice, typer.Option("--hidden-loss", help="Per-token hidden-state loss: mse (normalised) | cosine.")] = LossChoice.mse,
     kl_weight: Annotated[float, typer.Option("--kl-weight", help="Weight of the last segment's logit KL.")] = 1.0,
+    ce_weight: Annotated[float, typer.Option("--ce-weight", help="Weight of the next-token cross-entropy on the training text, added to every logit KL (0 = pure distillation).")] = 0.0,
     phase1_fraction: Annotated[float, typer.Option("--phase1-fraction", help="Share of the budget on teacher inputs (phase 1).")] = 0.25,
     cache_dtype: Annotated[CacheDtypeChoice, typer.Option("--cache-dtype", help="Dtype of the cached teacher features.")] = CacheDtypeChoice.bf16,
     cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="Where the feature cache lives (default: the llmcompress cache).")] = None,
@@ -80,7 +81,7 @@ def distill_command(
     cfg = DistillConfig(
         teacher=teacher, keep_layers=keep_layers, student=student, select=select.value, mode=mode.value,
         train_tokens=train_tokens, segments=segments, data=data, data_split=data_split, seq_len=seq_len,
-        batch_size=batch_size, lr=lr, hidden_loss=hidden_loss.value, kl_weight=kl_weight,
+        batch_size=batch_size, lr=lr, hidden_loss=hidden_loss.value, kl_weight=kl_weight, ce_weight=ce_weight,
         phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, cache_dtype=cache_dtype.value,
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
     )

@@ -53,6 +53,9 @@ class DistillConfig:
         hidden_loss: per-token loss on segment outputs.
         kl_weight / kl_temperature: weight and temperature of the logit KL (last segment, e2e).
         kl_positions: fraction of positions the last segment's logit KL is computed on (saves head FLOPs).
+        ce_weight: weight of the next-token cross-entropy on the training text (hard labels), added to
+            every logit KL (last segment, e2e mode, e2e steps); 0 = pure distillation. It also adapts the
+            student to the training text's domain, so the teacher is no longer its quality ceiling there.
         phase1_fraction: share of each segment's token budget spent on teacher inputs (phase 1).
         mix_start / mix_end: weight of the student's own input at the start/end of phase 2.
         e2e_steps: end-to-end logit-distillation steps after the layer-wise phases.
@@ -79,6 +82,7 @@ class DistillConfig:
     kl_weight: float = 1.0
     kl_temperature: float = 1.0
     kl_positions: float = 0.25
+    ce_weight: float = 0.0
     phase1_fraction: float = 0.25
     mix_start: float = 0.0
     mix_end: float = 1.0

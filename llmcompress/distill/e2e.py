@@ -68,9 +68,9 @@ def train_e2e(run: _Run, teacher, keep: list[int] | None, blocks):
             with torch.no_grad():
                 t_logits = teacher(input_ids=ids, use_cache=False).logits
             s_logits = student(input_ids=ids, use_cache=False).logits
-            loss = losses.kl_logits(s_logits, t_logits, cfg.kl_temperature)
+            loss, parts = losses.logit_objective(s_logits, t_logits, ids, cfg.kl_temperature, cfg.ce_weight)
             losses.optimizer_step(opt, params, loss)
-            run.log({"phase": "e2e", "step": step, "loss": loss.item()})
+            run.log({"phase": "e2e", "step": step, "loss": loss.item(), **parts})
             b.advance(info=f"kl={loss.item():.4f}")
             del t_logits, s_logits, loss
             if (step + 1) % every == 0 and step + 1 < steps:

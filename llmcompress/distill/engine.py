@@ -108,24 +108,36 @@ def _forward_segment(run: _Run, seg: Segment, x):
     return run_layers(run.model, x, run.layers(seg), seg.student_layers, output="hidden")
 
 
-def _segment_loss(run: _Run, seg: Segment, x, y, *, step_seed: int, with_kl: bool = True):
-    """Hidden loss of segment `seg` on input x vs teacher target y, plus logit KL for the last segment."""
+def _segment_loss(run: _Run, seg: Segment, x, y, *, step_seed: int, with_kl: bool = True, ids=None):
+    """Hidden loss of segment `seg` on input x vs teacher target y, plus logit KL for the last segment.
+
+    With `cfg.ce_weight` > 0 and the block's token `ids`, the last segment also gets the next-token
+    cross-entropy on the same sampled positions (those before the block's last token).
+    """
     import torch
 
     cfg = run.cfg
     out = _forward_segment(run, seg, x)
     loss = losses.hidden_loss(cfg.hidden_loss.value, out, y)
     parts = {"hidden": float(loss.detach())}
-    if with_kl and seg.index == len(run.segments) - 1 and cfg.kl_weight > 0:
+    last = with_kl and seg.index == len(run.segments) - 1
+    use_ce = last and cfg.ce_weight > 0 and ids is not None
+    if last and (cfg.kl_weight > 0 or use_ce):
         t = y.shape[1]
-        n = max(1, round(cfg.kl_positions * t))
-        pos = torch.randperm(t, generator=torch.Generator().manual_seed(step_seed))[:n].sort().values.to(y.device)
-        with torch.no_grad():
-            t_logits = run.head(run.norm(y[:, pos]))
+        t_pos = t - 1 if use_ce else t  # CE needs the next token
+        n = max(1, round(cfg.kl_positions * t_pos))
+        pos = torch.randperm(t_pos, generator=torch.Generator().manual_seed(step_seed))[:n].sort().values.to(y.device)
         s_logits = run.head(run.norm(out[:, pos]))
-        kl = losses.kl_logits(s_logits, t_logits, cfg.kl_temperature)
-        parts["kl"] = float(kl.detach())
-        loss = loss + cfg.kl_weight * kl
+        if cfg.kl_weight > 0:
+            with torch.no_grad():
+                t_logits = run.head(run.norm(y[:, pos]))
+            kl = losses.kl_logits(s_logits, t_logits, cfg.kl_temperature)
+            parts["kl"] = float(kl.detach())
+            loss = loss + cfg.kl_weight * kl
+        if use_ce:
+            ce = losses.next_token_ce(s_logits, ids.to(y.device)[:, pos + 1])
+            parts["ce"] = float(ce.detach())
+            loss = loss + cfg.ce_weight * ce
     return loss, parts
 
 
@@ -138,15 +150,20 @@ def _student_cache(run: _Run, level: int) -> FeatureCache:
 
 
 def _loader(run: _Run, seg: Segment, phase: int):
-    """Shard index -> (input, target) features; phase 2 loads the student's own input too."""
+    """Shard index -> (input, student input or None, target, token ids or None).
+
+    Phase 2 loads the student's own input too; the last segment loads the token ids when the loss has a
+    cross-entropy term.
+    """
     k = seg.index
     teacher = run.teacher
     student = _student_cache(run, k) if phase == 2 and k > 0 else None
+    names = [f"b{k}", f"b{k + 1}"] + (["ids"] if run.cfg.ce_weight > 0 and k == len(run.segments) - 1 else [])
 
     def load(i: int):
-        t = teacher.read(i, [f"b{k}", f"b{k + 1}"])
+        t = teacher.read(i, names)
         s = student.read(i - run.state["phase2_first_shard"], ["h"])["h"] if student is not None else None
-        return t[f"b{k}"], s, t[f"b{k + 1}"]
+        return t[f"b{k}"], s, t[f"b{k + 1}"], t.get("ids")
 
     return load
 
@@ -166,12 +183,12 @@ def _train_segment(run: _Run, seg: Segment, *, phase: int, steps: int, shards: l
     history = []
     with bar(f"phase {phase} segment {seg.index}", total=steps) as b:
         batches = prefetch(_loader(run, seg, phase), [shards[j] for j in order], depth=cfg.prefetch)
-        for step, (x_t, x_s, y) in enumerate(batches):
+        for step, (x_t, x_s, y, ids) in enumerate(batches):
             alpha = cur.mix_weight(step, steps, cfg.mix_start, cfg.mix_end) if x_s is not None else 0.0
             x = cur.mix_inputs(_to(x_t, run), _to(x_s, run), alpha) if x_s is not None else _to(x_t, run)
             for g in opt.param_groups:
                 g["lr"] = cur.lr_at(step, steps, cfg.learning_rate)
-            loss, parts = _segment_loss(run, seg, x, _to(y, run), step_seed=cfg.seed * 100003 + step * 101 + seg.index)
+            loss, parts = _segment_loss(run, seg, x, _to(y, run), step_seed=cfg.seed * 100003 + step * 101 + seg.index, ids=ids)
             losses.optimizer_step(opt, params, loss)
             history.append(loss.item())
             run.log({"phase": phase, "segment": seg.index, "step": step, "loss": loss.item(), **parts, "mix": round(alpha, 4)})
@@ -219,7 +236,7 @@ def _initial_losses(run: _Run, shard: int) -> dict[int, float]:
     out = {}
     with torch.no_grad():
         for seg in run.segments:
-            x, _, y = _loader(run, seg, 1)(shard)
+            x, _, y, _ = _loader(run, seg, 1)(shard)
             loss, _ = _segment_loss(run, seg, _to(x, run), _to(y, run), step_seed=0, with_kl=False)
             out[seg.index] = loss.item()
     return out
@@ -322,10 +339,11 @@ def _e2e_from_cache(run: _Run, steps: int) -> None:
                 g["lr"] = cur.lr_at(step, steps, cfg.learning_rate * 0.25)
             with torch.no_grad():
                 t_logits = run.head(run.norm(_to(sh[last], run)))
-            s_logits = run.model(input_ids=sh["ids"].to(run.device), use_cache=False).logits
-            loss = losses.kl_logits(s_logits, t_logits, cfg.kl_temperature)
+            ids = sh["ids"].to(run.device)
+            s_logits = run.model(input_ids=ids, use_cache=False).logits
+            loss, parts = losses.logit_objective(s_logits, t_logits, ids, cfg.kl_temperature, cfg.ce_weight)
             losses.optimizer_step(opt, params, loss)
-            run.log({"phase": "e2e", "step": step, "loss": loss.item()})
+            run.log({"phase": "e2e", "step": step, "loss": loss.item(), **parts})
             b.advance(info=f"kl={loss.item():.4f}")
     for p in params:
         p.requires_grad_(False)

@@ -46,6 +46,13 @@ def kl_logits(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temper
     return F.kl_div(s, p, log_target=True, reduction="batchmean") * (t * t)
 
 
+def next_token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of `logits` (..., V) against the token ids `targets` (...) they should predict."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten().long())
+
+
 def optimizer_step(opt, params, loss: torch.Tensor, max_norm: float = 1.0) -> float:
     """One training step on `loss` (zero grads, backward, clip to `max_norm`, step); returns the loss value."""
     import torch
@@ -55,3 +62,18 @@ def optimizer_step(opt, params, loss: torch.Tensor, max_norm: float = 1.0) -> fl
     torch.nn.utils.clip_grad_norm_(params, max_norm)
     opt.step()
     return loss.item()
+
+
+def logit_objective(student_logits, teacher_logits, ids, temperature: float = 1.0, ce_weight: float = 0.0):
+    """KL(teacher || student) on all positions plus `ce_weight` x next-token CE on `ids` (B, T).
+
+    Position t's logits predict ids[:, t + 1], so the CE skips the last position. Returns (loss, parts)
+    with the parts' float values for the log.
+    """
+    kl = kl_logits(student_logits, teacher_logits, temperature)
+    parts = {"kl": float(kl.detach())}
+    if ce_weight <= 0:
+        return kl, parts
+    ce = next_token_ce(student_logits[:, :-1], ids[:, 1:])
+    parts["ce"] = float(ce.detach())
+    return kl + ce_weight * ce, parts

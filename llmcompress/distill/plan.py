@@ -129,5 +129,7 @@ def check_config(cfg: DistillConfig) -> None:
         raise UserError("--phase1-fraction must be within [0, 1]", "e.g. 0.5")
     if not 0.0 < cfg.kl_positions <= 1.0:
         raise UserError("--kl-positions must be within (0, 1]", "e.g. 0.25")
+    if not cfg.ce_weight >= 0.0:
+        raise UserError(f"--ce-weight {cfg.ce_weight} must be 0 or more", "e.g. --ce-weight 0.5 (0 = pure distillation)")
     if cfg.batch_size < 1 or cfg.seq_len < 2:
         raise UserError("--batch-size must be 1 or more and --seq-len 2 or more", "")
