@@ -157,6 +157,31 @@ def test_e2e_baseline_mode_and_its_resume(tiny_hf_dir, data_file, tmp_path, monk
         torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0)
 
 
+def test_e2e_steps_resume_from_their_last_quarter(tiny_hf_dir, data_file, tmp_path, monkeypatch):
+    from llmcompress.distill import losses as losses_mod
+
+    cfg = make_cfg(tiny_hf_dir, data_file, tmp_path, e2e_steps=8)
+    distill(cfg, tmp_path / "ref")
+    real, calls = losses_mod.logit_objective, []
+
+    def interrupted(*a, **kw):
+        calls.append(1)
+        if len(calls) == 8:  # during e2e step 7; checkpoints are written every 2 steps (a quarter of 8)
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(losses_mod, "logit_objective", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        distill(cfg, tmp_path / "run")
+    monkeypatch.setattr(losses_mod, "logit_objective", real)
+    distill(cfg, tmp_path / "run", resume=True)
+    steps = [r["step"] for r in read_log(tmp_path / "run") if r["phase"] == "e2e"]
+    assert steps == list(range(7)) + list(range(6, 8))  # continued from the checkpoint after step 6
+    ref, got = student_state(tmp_path / "ref"), student_state(tmp_path / "run")
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0)
+
+
 def test_student_checkpoint_with_layer_map(tiny_hf_dir, data_file, tmp_path):
     """A collapse-style student (layers merged from several teacher layers) distils against its teacher."""
     from llmcompress.io.checkpoint import build_manifest, save_checkpoint

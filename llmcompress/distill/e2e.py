@@ -55,7 +55,7 @@ def train_e2e(run: _Run, teacher, keep: list[int] | None, blocks):
     order = cur.epoch_order(n_batches, steps, seed=cfg.seed + 3)
     torch.manual_seed(cfg.seed)
     layers = get_adapter(student).decoder_layers(student)
-    start = _restore(run, layers, opt, steps)
+    start = restore(run, layers, opt, steps)
     every = max(1, steps // 4)
     with bar("end-to-end distillation", total=steps) as b:
         b.advance(start)
@@ -74,30 +74,30 @@ def train_e2e(run: _Run, teacher, keep: list[int] | None, blocks):
             b.advance(info=f"kl={loss.item():.4f}")
             del t_logits, s_logits, loss
             if (step + 1) % every == 0 and step + 1 < steps:
-                _checkpoint(run, layers, opt, step + 1, steps)
+                checkpoint(run, layers, opt, step + 1, steps)
     for p in params:
         p.requires_grad_(False)
         p.grad = None
     return student.eval()
 
 
-def _checkpoint(run: _Run, layers, opt, step: int, steps: int) -> None:
-    """Student layers + optimiser state after `step` steps, written atomically (for --resume)."""
+def checkpoint(run: _Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.pt") -> None:
+    """Student layers + optimiser state after `step` steps, written atomically to work/`name` (for --resume)."""
     import os
 
     import torch
 
-    path = run.work / "e2e-checkpoint.pt"
+    path = run.work / name
     tmp = path.with_suffix(".tmp")
     torch.save({"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict()}, tmp)
     os.replace(tmp, path)
 
 
-def _restore(run: _Run, layers, opt, steps: int) -> int:
-    """Step to continue from (0 without a matching checkpoint)."""
+def restore(run: _Run, layers, opt, steps: int, name: str = "e2e-checkpoint.pt") -> int:
+    """Step to continue from (0 without a matching checkpoint in work/`name`)."""
     import torch
 
-    path = run.work / "e2e-checkpoint.pt"
+    path = run.work / name
     if not path.is_file():
         return 0
     st = torch.load(path, weights_only=True)
