@@ -10,6 +10,9 @@ student (8 layers removed by Block Influence) healed by layer-wise distillation 
 perplexity against training tokens (table + PNG). Perplexity: WikiText-2 raw test, first
 `--eval-tokens` tokens, seq-len 512, each evaluation in its own subprocess.
 Writes bench/RESULTS-distill.md, bench/RESULTS-distill-curve.png and a JSON of the raw figures.
+`--curve-only` adds layer-wise curve points; `--import-run LABEL=DIR` adds a finished
+`llmcompress distill` run on the same 22-layer student (another scheme: `--mode e2e`, `--ce-weight`, ...)
+as a point of series LABEL, after checking that its student, data, batch, seq-len and evaluation match.
 """
 
 from __future__ import annotations
@@ -95,6 +98,12 @@ NOTES = """
   3x tokens. Training text stayed within WikiText-2 valid (about 280k tokens; no tinyshakespeare or
   `self` data was needed at these budgets). The 49,152- and 196,608-token points were added on
   2026-12-03 with `--curve-only` on an idle machine, so their seconds are clean.
+- **The same student healed end to end** (2026-12-03 evening, `--import-run` table above): `--mode e2e`
+  heals more per token than the curriculum (49.8 against 60.7 at 49,152 tokens, 44.5 against 51.3 at
+  196,608) at about the same wall time, with 2.7x its peak memory. Adding the next-token cross-entropy
+  (`--ce-weight 1`) gains a little more (48.3 at 49,152, 43.2 at 196,608). None reaches 35.3; the e2e
+  excess over the teacher shrinks by about a quarter per 4x tokens. The 49,152-token CE run shared the cores with a
+  few minutes of unit tests, so its seconds are inflated.
 - Wall times: the 15-layer rows ran at load ~1-2 (the layer-wise and e2e rows each overlapped a
   single-threaded NAS check of a few minutes); the 4,096- and 16,384-token curve points ran with two other benchmarks and a
   test suite on the same 2 cores, so its seconds are inflated (perplexities are not affected).
@@ -105,19 +114,23 @@ def keeps(layer_map) -> list[int]:
     return [e["sources"][0] for e in layer_map]
 
 
-def plot(curve: list[tuple[int, float]], teacher: float, path: Path) -> None:
+def plot(curve: list[tuple[int, float]], teacher: float, path: Path, series: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     xs, ys = zip(*curve)
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
     ax.plot(xs, ys, "o-", label="22-layer BI student, layer-wise distill")
+    for label, runs in (series or {}).items():
+        pts = [(0, curve[0][1])] + sorted((int(t), r["ppl"]) for t, r in runs.items())
+        ax.plot(*zip(*pts), "s--", label=f"same student, {label}")
     ax.axhline(teacher, color="gray", ls="--", label="teacher (30 layers)")
+    ax.axhline(1.2 * teacher, color="gray", ls=":", label="goal: within 20% of the teacher")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("WikiText-2 perplexity")
-    ax.legend()
+    ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -167,6 +180,23 @@ def render(res: dict) -> str:
     for add in res.get("curve_added", []):
         lines.append(f"\n{add['tokens']:,}-token point added later with `--curve-only` ({add['date']}, {add['threads']} thread(s), "
                      f"load average {add['loadavg'][0]:.1f} at its end); same settings.")
+    series = res.get("bi22_series", {})
+    if series:
+        layerwise = dict(res.get("bi22_curve", []))
+        tokens = sorted({int(t) for runs in series.values() for t in runs})
+        lines += ["", "### The same student healed by other training schemes", "",
+                  "Each cell is its own `llmcompress distill` run from the untrained 22-layer student, recorded with "
+                  "`--import-run` (same data, batch, seq-len and evaluation as the layer-wise column; commands in BENCHMARKS.md).", "",
+                  "| training tokens | layer-wise | " + " | ".join(series) + " |", "|---" * (2 + len(series)) + "|"]
+        for t in tokens:
+            cells = [f"{series[k][str(t)]['ppl']:.2f}" if str(t) in series[k] else "-" for k in series]
+            lw = f"{layerwise[t]:.2f}" if t in layerwise else "-"
+            lines.append(f"| {t:,} | {lw} | " + " | ".join(cells) + " |")
+        lines.append("")
+        for k, runs in series.items():
+            for t, r in sorted(runs.items(), key=lambda kv: int(kv[0])):
+                lines.append(f"- {k}, {int(t):,} tokens: training wall {r['train_wall_s']:.0f} s, peak RSS {r['peak_rss_mb']:.0f} MiB "
+                             f"(imported {r['imported']}).")
     lines += ["", "![curve](RESULTS-distill-curve.png)", ""]
     return "\n".join(lines)
 
@@ -191,7 +221,35 @@ def _curve_only(a) -> None:
         res.setdefault("curve_added", []).append({"tokens": t, "date": time.strftime("%Y-%m-%d %H:%M UTC"), "threads": threads,
                                                   "loadavg": os.getloadavg()})
         raw.write_text(json.dumps(res, indent=2))
-    plot(curve, res["teacher_ppl"], ROOT / "bench" / "RESULTS-distill-curve.png")
+    plot(curve, res["teacher_ppl"], ROOT / "bench" / "RESULTS-distill-curve.png", res.get("bi22_series"))
+    (ROOT / "bench" / "RESULTS-distill.md").write_text(render(res) + NOTES)
+
+
+def _import_runs(specs: list[str]) -> None:
+    """Add finished `llmcompress distill` runs on the 22-layer BI student to the healing comparison."""
+    raw = ROOT / "bench" / "RESULTS-distill.json"
+    res = json.loads(raw.read_text())
+    st = res["settings"]
+    for spec in specs:
+        label, _, where = spec.partition("=")
+        out = Path(where)
+        m = json.loads((out / "metrics.json").read_text())
+        manifest = json.loads((out / "student" / "llmcompress.json").read_text())
+        cfg = manifest["config"]
+        keep = keeps(manifest["layer_map"])
+        checks = {"student layers": (keep, res.get("bi22_keep")), "eval tokens": (cfg["eval_tokens"], st["eval_tokens"]),
+                  "batch size": (cfg["batch_size"], st["batch_size"]), "seq len": (cfg["seq_len"], st["seq_len"]),
+                  "data": (m["data"], "wikitext2:valid")}
+        for what, (got, want) in checks.items():
+            if got != want:
+                raise SystemExit(f"{out}: {what} {got} differs from the curve's {want}")
+        res.setdefault("bi22_series", {}).setdefault(label, {})[str(m["train_tokens"])] = {
+            "ppl": m["student_ppl"], "ppl_before": m["student_ppl_before"], "train_wall_s": m["train_wall_s"],
+            "peak_rss_mb": m["peak_rss_mb"], "mode": m["mode"], "lr": cfg["lr"], "ce_weight": cfg.get("ce_weight", 0.0),
+            "imported": time.strftime("%Y-%m-%d %H:%M UTC"),
+        }
+    raw.write_text(json.dumps(res, indent=2))
+    plot([tuple(x) for x in res["bi22_curve"]], res["teacher_ppl"], ROOT / "bench" / "RESULTS-distill-curve.png", res.get("bi22_series"))
     (ROOT / "bench" / "RESULTS-distill.md").write_text(render(res) + NOTES)
 
 
@@ -213,9 +271,14 @@ def main() -> None:
     ap.add_argument("--render", action="store_true", help="only rewrite RESULTS-distill.md from RESULTS-distill.json")
     ap.add_argument("--curve-only", action="store_true",
                     help="only add the healing-curve points of --curve-tokens missing from RESULTS-distill.json")
+    ap.add_argument("--import-run", action="append", metavar="LABEL=DIR",
+                    help="record a finished `llmcompress distill` run on the 22-layer BI student as a point of series LABEL")
     a = ap.parse_args()
+    if a.import_run:
+        return _import_runs(a.import_run)
     if a.render:
         res = json.loads((ROOT / "bench" / "RESULTS-distill.json").read_text())
+        plot([tuple(x) for x in res["bi22_curve"]], res["teacher_ppl"], ROOT / "bench" / "RESULTS-distill-curve.png", res.get("bi22_series"))
         (ROOT / "bench" / "RESULTS-distill.md").write_text(render(res) + NOTES)
         return None
     if a.eval_model:
