@@ -128,28 +128,33 @@ def test_resume_after_interruption_equals_uninterrupted(tiny_hf_dir, data_file, 
         distill(make_cfg(tiny_hf_dir, data_file, tmp_path, keep_layers=2), tmp_path / "run", resume=True)
 
 
-def test_e2e_baseline_mode_and_its_resume(tiny_hf_dir, data_file, tmp_path, monkeypatch):
+def interrupt_then_resume(monkeypatch, cfg, out, loss_fn: str, at_call: int) -> None:
+    """Run `cfg` into `out`, interrupted in the `at_call`-th call of `losses.<loss_fn>`, then resume it."""
     from llmcompress.distill import losses as losses_mod
 
+    real, calls = getattr(losses_mod, loss_fn), []
+
+    def interrupted(*a, **kw):
+        calls.append(1)
+        if len(calls) == at_call:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(losses_mod, loss_fn, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        distill(cfg, out)
+    monkeypatch.setattr(losses_mod, loss_fn, real)
+    distill(cfg, out, resume=True)
+
+
+def test_e2e_baseline_mode_and_its_resume(tiny_hf_dir, data_file, tmp_path, monkeypatch):
     cfg = make_cfg(tiny_hf_dir, data_file, tmp_path, mode="e2e", eval_tokens=512, eval_seq_len=128)
     res = distill(cfg, tmp_path / "out")
     assert res.metrics["student_ppl_before"] > 1 and res.metrics["student_ppl"] > 1
     losses = [r["loss"] for r in read_log(tmp_path / "out") if r["phase"] == "e2e"]
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < losses[0]
     assert res.metrics["student_layers"] == 2 and (tmp_path / "out" / "student" / "llmcompress.json").is_file()
-    real, calls = losses_mod.kl_logits, []
-
-    def interrupted(*a, **kw):
-        calls.append(1)
-        if len(calls) == 8:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(losses_mod, "kl_logits", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        distill(cfg, tmp_path / "run")
-    monkeypatch.setattr(losses_mod, "kl_logits", real)
-    distill(cfg, tmp_path / "run", resume=True)
+    interrupt_then_resume(monkeypatch, cfg, tmp_path / "run", "kl_logits", at_call=8)
     steps = [r["step"] for r in read_log(tmp_path / "run")]
     assert steps == list(range(7)) + list(range(6, 12))  # continued from the checkpoint after step 6
     ref, got = student_state(tmp_path / "out"), student_state(tmp_path / "run")
@@ -158,23 +163,10 @@ def test_e2e_baseline_mode_and_its_resume(tiny_hf_dir, data_file, tmp_path, monk
 
 
 def test_e2e_steps_resume_from_their_last_quarter(tiny_hf_dir, data_file, tmp_path, monkeypatch):
-    from llmcompress.distill import losses as losses_mod
-
     cfg = make_cfg(tiny_hf_dir, data_file, tmp_path, e2e_steps=8)
     distill(cfg, tmp_path / "ref")
-    real, calls = losses_mod.logit_objective, []
-
-    def interrupted(*a, **kw):
-        calls.append(1)
-        if len(calls) == 8:  # during e2e step 7; checkpoints are written every 2 steps (a quarter of 8)
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(losses_mod, "logit_objective", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        distill(cfg, tmp_path / "run")
-    monkeypatch.setattr(losses_mod, "logit_objective", real)
-    distill(cfg, tmp_path / "run", resume=True)
+    # interrupted during e2e step 7; checkpoints are written every 2 steps (a quarter of 8)
+    interrupt_then_resume(monkeypatch, cfg, tmp_path / "run", "logit_objective", at_call=8)
     steps = [r["step"] for r in read_log(tmp_path / "run") if r["phase"] == "e2e"]
     assert steps == list(range(7)) + list(range(6, 8))  # continued from the checkpoint after step 6
     ref, got = student_state(tmp_path / "ref"), student_state(tmp_path / "run")

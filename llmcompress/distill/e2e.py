@@ -71,7 +71,7 @@ def train_e2e(run: _Run, teacher, keep: list[int] | None, blocks):
             loss, parts = losses.logit_objective(s_logits, t_logits, ids, cfg.kl_temperature, cfg.ce_weight)
             losses.optimizer_step(opt, params, loss)
             run.log({"phase": "e2e", "step": step, "loss": loss.item(), **parts})
-            b.advance(info=f"kl={loss.item():.4f}")
+            b.advance(info=f"loss={loss.item():.4f}")
             del t_logits, s_logits, loss
             if (step + 1) % every == 0 and step + 1 < steps:
                 checkpoint(run, layers, opt, step + 1, steps)

@@ -356,7 +356,7 @@ def _e2e_from_cache(run: _Run, steps: int) -> None:
             loss, parts = losses.logit_objective(s_logits, t_logits, ids, cfg.kl_temperature, cfg.ce_weight)
             losses.optimizer_step(opt, params, loss)
             run.log({"phase": "e2e", "step": step, "loss": loss.item(), **parts})
-            b.advance(info=f"kl={loss.item():.4f}")
+            b.advance(info=f"loss={loss.item():.4f}")
             if (step + 1) % every == 0 and step + 1 < steps:
                 checkpoint(run, layers, opt, step + 1, steps, name=name)
     for p in params:
