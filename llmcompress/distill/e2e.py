@@ -34,7 +34,6 @@ def train_e2e(run: _Run, teacher, keep: list[int] | None, blocks):
     import torch
 
     from llmcompress.distill.engine import _eval_ppl
-    from llmcompress.progress import bar
 
     cfg = run.cfg
     student = build_student(run, teacher, keep)
@@ -46,39 +45,57 @@ def train_e2e(run: _Run, teacher, keep: list[int] | None, blocks):
         run.state["eval_before_s"] = round(time.perf_counter() - t_eval, 2)
     from llmcompress.io.adapters import get_adapter
 
-    params = [p for layer in get_adapter(student).decoder_layers(student) for p in layer.parameters()]
+    steps = max(1, math.ceil(cfg.train_tokens / (cfg.batch_size * cfg.seq_len)))
+    order = cur.epoch_order(len(blocks) // cfg.batch_size, steps, seed=cfg.seed + 3)
+    torch.manual_seed(cfg.seed)
+    logit_steps(
+        run, student, get_adapter(student).decoder_layers(student), steps=steps, lr=cfg.learning_rate, order=order,
+        load=lambda j: {"ids": blocks[j * cfg.batch_size : (j + 1) * cfg.batch_size]},
+        teacher_logits=lambda batch, ids: teacher(input_ids=ids, use_cache=False).logits,
+        title="end-to-end distillation", name="e2e-checkpoint.pt",
+    )
+    return student.eval()
+
+
+def logit_steps(run: _Run, model, layers, *, steps: int, lr: float, order: list, load, teacher_logits, title: str, name: str) -> None:
+    """The end-to-end loop of `--mode e2e` and of the `--e2e-steps` phase: logit KL (+ CE) on `model`.
+
+    Trains the parameters of `layers` with AdamW (cosine decay from `lr`) for `steps` steps; step s reads
+    batch `load(order[s])` (a dict with "ids", prefetched) and gets the teacher's logits from
+    `teacher_logits(batch, ids)` (no grad). The layers and optimiser state are checkpointed to
+    work/`name` every quarter of the steps; a rerun continues from the last checkpoint.
+    """
+    import torch
+
+    from llmcompress.distill.cache import prefetch
+    from llmcompress.progress import bar
+
+    cfg = run.cfg
+    params = [p for layer in layers for p in layer.parameters()]
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    steps = max(1, math.ceil(cfg.train_tokens / (cfg.batch_size * cfg.seq_len)))
-    n_batches = len(blocks) // cfg.batch_size
-    order = cur.epoch_order(n_batches, steps, seed=cfg.seed + 3)
-    torch.manual_seed(cfg.seed)
-    layers = get_adapter(student).decoder_layers(student)
-    start = restore(run, layers, opt, steps)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    start = restore(run, layers, opt, steps, name=name)
     every = max(1, steps // 4)
-    with bar("end-to-end distillation", total=steps) as b:
+    with bar(title, total=steps) as b:
         b.advance(start)
-        for step, j in enumerate(order):
-            if step < start:
-                continue
-            ids = blocks[j * cfg.batch_size : (j + 1) * cfg.batch_size].to(run.device)
+        for step, batch in enumerate(prefetch(load, order[start:], depth=cfg.prefetch), start=start):
             for g in opt.param_groups:
-                g["lr"] = cur.lr_at(step, steps, cfg.learning_rate)
+                g["lr"] = cur.lr_at(step, steps, lr)
+            ids = batch["ids"].to(run.device)
             with torch.no_grad():
-                t_logits = teacher(input_ids=ids, use_cache=False).logits
-            s_logits = student(input_ids=ids, use_cache=False).logits
+                t_logits = teacher_logits(batch, ids)
+            s_logits = model(input_ids=ids, use_cache=False).logits
             loss, parts = losses.logit_objective(s_logits, t_logits, ids, cfg.kl_temperature, cfg.ce_weight)
             losses.optimizer_step(opt, params, loss)
             run.log({"phase": "e2e", "step": step, "loss": loss.item(), **parts})
             b.advance(info=f"loss={loss.item():.4f}")
             del t_logits, s_logits, loss
             if (step + 1) % every == 0 and step + 1 < steps:
-                checkpoint(run, layers, opt, step + 1, steps)
+                checkpoint(run, layers, opt, step + 1, steps, name=name)
     for p in params:
         p.requires_grad_(False)
         p.grad = None
-    return student.eval()
 
 
 def checkpoint(run: _Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.pt") -> None:

@@ -323,45 +323,21 @@ def _phase2(run: _Run, steps: int, shards: list[int]) -> None:
 def _e2e_from_cache(run: _Run, steps: int) -> None:
     """End-to-end logit KL on the whole student, teacher logits from the cached final teacher states.
 
-    The student's layers and AdamW state are checkpointed every quarter of the steps
+    At a quarter of the layer-wise learning rate; checkpointed every quarter of the steps
     (work/e2e-steps-checkpoint.pt), so `--resume` continues from the last quarter.
     """
-    import torch
-
-    from llmcompress.distill.e2e import checkpoint, restore
+    from llmcompress.distill.e2e import logit_steps
     from llmcompress.io.adapters import get_adapter
-    from llmcompress.progress import bar
 
     cfg = run.cfg
     last = f"b{len(run.segments)}"
-    layers = get_adapter(run.model).decoder_layers(run.model)
-    params = [p for layer in layers for p in layer.parameters()]
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=cfg.learning_rate * 0.25, weight_decay=cfg.weight_decay)
-    order = cur.epoch_order(run.teacher.n_shards, steps, seed=cfg.seed + 7)
-    name = "e2e-steps-checkpoint.pt"
-    start = restore(run, layers, opt, steps, name=name)
-    every = max(1, steps // 4)
-    with bar("end-to-end steps", total=steps) as b:
-        b.advance(start)
-        batches = prefetch(lambda i: run.teacher.read(i, ["ids", last]), order[start:], depth=cfg.prefetch)
-        for step, sh in enumerate(batches, start=start):
-            for g in opt.param_groups:
-                g["lr"] = cur.lr_at(step, steps, cfg.learning_rate * 0.25)
-            with torch.no_grad():
-                t_logits = run.head(run.norm(_to(sh[last], run)))
-            ids = sh["ids"].to(run.device)
-            s_logits = run.model(input_ids=ids, use_cache=False).logits
-            loss, parts = losses.logit_objective(s_logits, t_logits, ids, cfg.kl_temperature, cfg.ce_weight)
-            losses.optimizer_step(opt, params, loss)
-            run.log({"phase": "e2e", "step": step, "loss": loss.item(), **parts})
-            b.advance(info=f"loss={loss.item():.4f}")
-            if (step + 1) % every == 0 and step + 1 < steps:
-                checkpoint(run, layers, opt, step + 1, steps, name=name)
-    for p in params:
-        p.requires_grad_(False)
-        p.grad = None
+    logit_steps(
+        run, run.model, get_adapter(run.model).decoder_layers(run.model), steps=steps, lr=cfg.learning_rate * 0.25,
+        order=cur.epoch_order(run.teacher.n_shards, steps, seed=cfg.seed + 7),
+        load=lambda i: run.teacher.read(i, ["ids", last]),
+        teacher_logits=lambda batch, ids: run.head(run.norm(_to(batch[last], run))),
+        title="end-to-end steps", name="e2e-steps-checkpoint.pt",
+    )
 
 
 # ------------------------------------------------------------------------------------------ runs
