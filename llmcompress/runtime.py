@@ -37,6 +37,23 @@ def resolve_dtype(name: str = "float32") -> torch.dtype:
     return getattr(torch, name)
 
 
+def autocast(device, precision: str = "fp32"):
+    """Context for forward passes at `precision`: fp32 (no change) or bf16 autocast on `device`.
+
+    bf16 runs matmuls in bfloat16 (AMX on recent Xeons, tensor cores on GPUs); weights, gradients and
+    optimiser state stay fp32, and losses that cast to float are computed in fp32.
+    """
+    import contextlib
+
+    import torch
+
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision != "bf16":
+        raise ValueError(f"unknown precision {precision!r}")
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
 def seed_everything(seed: int) -> None:
     import numpy as np
     import torch

@@ -79,6 +79,7 @@ def test_bad_inputs_exit_2_with_one_line(tiny_hf_dir, data_file, tmp_path, capsy
         (small(t, d, tmp_path, "--keep-layers", 2), "--out is required"),
         (small(t, d, tmp_path, "--out", tmp_path / "o5"), "exactly one of --keep-layers"),
         (small(t, d, tmp_path, "--keep-layers", 2, "--ce-weight", -1, "--out", tmp_path / "o6"), "--ce-weight -1.0 must be 0 or more"),
+        (small(t, d, tmp_path, "--keep-layers", 2, "--epochs", 0, "--out", tmp_path / "o7"), "--epochs 0 must be 1 or more"),
     ]
     for args, match in cases:
         assert_one_line_error(in_process(capsys, *args), match)

@@ -128,6 +128,80 @@ def test_resume_after_interruption_equals_uninterrupted(tiny_hf_dir, data_file, 
         distill(make_cfg(tiny_hf_dir, data_file, tmp_path, keep_layers=2), tmp_path / "run", resume=True)
 
 
+def test_epochs_train_the_budget_over_one_cache_of_fewer_tokens(tiny_hf_dir, data_file, tmp_path):
+    from llmcompress.distill.cache import FeatureCache
+
+    budget = 32 * 4 * 12  # 12 steps of 4 blocks of 32 tokens
+    res = distill(make_cfg(tiny_hf_dir, data_file, tmp_path, epochs=3), tmp_path / "out")
+    assert res.metrics["unique_tokens"] == budget // 3 and res.metrics["train_tokens"] == budget
+    assert FeatureCache(res.metrics["cache_dir"]).n_shards == 4  # one teacher pass over the distinct data
+    log = read_log(tmp_path / "out")
+    for phase, steps in ((1, res.metrics["steps_phase1"]), (2, res.metrics["steps_phase2"])):
+        assert steps == 6 and all(len([r for r in log if r["phase"] == phase and r["segment"] == k]) == 6 for k in range(2))
+    assert "| passes over the data (--epochs) | 3 |" in (tmp_path / "out" / "report.md").read_text()
+    # the same budget in one pass trains on other (more) data: other weights
+    one = distill(make_cfg(tiny_hf_dir, data_file, tmp_path), tmp_path / "one")
+    assert one.metrics["unique_tokens"] == budget and one.metrics["cache_dir"] != res.metrics["cache_dir"]
+    a, b = student_state(tmp_path / "out"), student_state(tmp_path / "one")
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    # the baseline takes the same data and budget: 12 steps over the 4 distinct batches
+    e2e = distill(make_cfg(tiny_hf_dir, data_file, tmp_path, epochs=3, mode="e2e"), tmp_path / "e2e")
+    assert e2e.metrics["unique_tokens"] == budget // 3
+    assert [r["step"] for r in read_log(tmp_path / "e2e")] == list(range(12))
+
+
+def test_bf16_precision_caches_other_features_and_still_trains(tiny_hf_dir, data_file, tmp_path):
+    from llmcompress.distill.cache import FeatureCache
+
+    ref = distill(make_cfg(tiny_hf_dir, data_file, tmp_path), tmp_path / "fp32")
+    res = distill(make_cfg(tiny_hf_dir, data_file, tmp_path, precision="bf16", e2e_steps=4), tmp_path / "bf16")
+    assert res.metrics["cache_dir"] != ref.metrics["cache_dir"]  # its own cache: not the fp32 features
+    a, b = FeatureCache(ref.metrics["cache_dir"]).read(0), FeatureCache(res.metrics["cache_dir"]).read(0)
+    assert torch.equal(a["ids"], b["ids"])
+    last = f"b{len(res.segments)}"
+    assert not torch.equal(a[last], b[last])  # the teacher ran under bf16 autocast
+    rel = ((a[last].float() - b[last].float()).norm() / a[last].float().norm()).item()
+    assert rel < 0.05  # measured ~0.006
+    log = read_log(tmp_path / "bf16")
+    hardest = res.metrics["order"][-1]
+    seg_losses = [r["loss"] for r in log if r["phase"] == 1 and r["segment"] == hardest]
+    assert sum(seg_losses[-2:]) / 2 < 0.9 * seg_losses[0]
+    assert len([r for r in log if r["phase"] == "e2e"]) == 4
+    w_ref, w = student_state(tmp_path / "fp32"), student_state(tmp_path / "bf16")
+    assert all(w[k].dtype == torch.float32 for k in w)  # master weights stay fp32
+    assert any(not torch.equal(w[k], w_ref[k]) for k in w)
+    # the baseline too
+    e2e = distill(make_cfg(tiny_hf_dir, data_file, tmp_path, precision="bf16", mode="e2e"), tmp_path / "e2e")
+    steps = [r["loss"] for r in read_log(tmp_path / "e2e")]
+    assert e2e.metrics["student_layers"] == 2 and sum(steps[-2:]) / 2 < steps[0]
+
+
+def test_a_run_saved_before_newer_options_resumes_with_their_defaults(tiny_hf_dir, data_file, tmp_path, monkeypatch):
+    cfg = make_cfg(tiny_hf_dir, data_file, tmp_path, keep_layers=3, train_tokens=32 * 4 * 4)
+    real = engine_mod._train_segment
+    calls = []
+
+    def interrupted(run, seg, **kw):
+        calls.append(seg.index)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(run, seg, **kw)
+
+    monkeypatch.setattr(engine_mod, "_train_segment", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        distill(cfg, tmp_path / "run")
+    monkeypatch.setattr(engine_mod, "_train_segment", real)
+    path = tmp_path / "run" / "work" / "state.json"
+    state = json.loads(path.read_text())
+    for key in ("epochs", "ce_weight"):  # what a run of the earlier code saved
+        del state["config"][key]
+    path.write_text(json.dumps(state))
+    with pytest.raises(Exception, match="different settings"):  # a non-default value is still another run
+        distill(make_cfg(tiny_hf_dir, data_file, tmp_path, keep_layers=3, train_tokens=32 * 4 * 4, epochs=2), tmp_path / "run", resume=True)
+    res = distill(cfg, tmp_path / "run", resume=True)
+    assert res.metrics["student_layers"] == 3 and (tmp_path / "run" / "student" / "model.safetensors").is_file()
+
+
 def interrupt_then_resume(monkeypatch, cfg, out, loss_fn: str, at_call: int) -> None:
     """Run `cfg` into `out`, interrupted in the `at_call`-th call of `losses.<loss_fn>`, then resume it."""
     from llmcompress.distill import losses as losses_mod

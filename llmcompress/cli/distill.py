@@ -27,6 +27,11 @@ class LossChoice(str, Enum):
     cosine = "cosine"
 
 
+class PrecisionChoice(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class CacheDtypeChoice(str, Enum):
     bf16 = "bf16"
     fp16 = "fp16"
@@ -40,6 +45,7 @@ def distill_command(
     student: Annotated[Optional[str], typer.Option("--student", help="Student checkpoint whose manifest has a layer_map (e.g. a collapse output).")] = None,
     select: Annotated[SelectChoice, typer.Option("--select", help="Which layers --keep-layers keeps: uniform | bi (Block Influence).")] = SelectChoice.uniform,
     train_tokens: Annotated[int, typer.Option("--train-tokens", help="Training budget: tokens each student layer trains on (default: about 10 min on 2 CPU cores).")] = 16384,
+    epochs: Annotated[int, typer.Option("--epochs", help="Passes over the data: train on train-tokens / E distinct tokens E times (the teacher cache is built once).")] = 1,
     mode: Annotated[ModeChoice, typer.Option("--mode", help="layerwise (curriculum) | e2e (end-to-end logit KL baseline).")] = ModeChoice.layerwise,
     segments: Annotated[Optional[int], typer.Option("--segments", help="Number of segments (default: one per student layer).")] = None,
     e2e_steps: Annotated[int, typer.Option("--e2e-steps", help="End-to-end logit-KL steps after the layer-wise phases.")] = 0,
@@ -52,6 +58,7 @@ def distill_command(
     kl_weight: Annotated[float, typer.Option("--kl-weight", help="Weight of the last segment's logit KL.")] = 1.0,
     ce_weight: Annotated[float, typer.Option("--ce-weight", help="Weight of the next-token cross-entropy on the training text, added to every logit KL (0 = pure distillation).")] = 0.0,
     phase1_fraction: Annotated[float, typer.Option("--phase1-fraction", help="Share of the budget on teacher inputs (phase 1).")] = 0.25,
+    precision: Annotated[PrecisionChoice, typer.Option("--precision", help="Compute precision of training and caching: fp32 | bf16 (autocast; weights and optimiser stay fp32).")] = PrecisionChoice.fp32,
     cache_dtype: Annotated[CacheDtypeChoice, typer.Option("--cache-dtype", help="Dtype of the cached teacher features.")] = CacheDtypeChoice.bf16,
     cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="Where the feature cache lives (default: the llmcompress cache).")] = None,
     eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report's perplexities (0 skips).")] = 8192,
@@ -80,9 +87,9 @@ def distill_command(
 
     cfg = DistillConfig(
         teacher=teacher, keep_layers=keep_layers, student=student, select=select.value, mode=mode.value,
-        train_tokens=train_tokens, segments=segments, data=data, data_split=data_split, seq_len=seq_len,
+        train_tokens=train_tokens, epochs=epochs, segments=segments, data=data, data_split=data_split, seq_len=seq_len,
         batch_size=batch_size, lr=lr, hidden_loss=hidden_loss.value, kl_weight=kl_weight, ce_weight=ce_weight,
-        phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, cache_dtype=cache_dtype.value,
+        phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, precision=precision.value, cache_dtype=cache_dtype.value,
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
     )
     dev, _ = resolve_device(device)

@@ -209,12 +209,17 @@ def teacher_features(model, input_ids, boundaries: list[int]) -> list:
 
 
 def build_teacher_cache(
-    teacher_model, blocks, boundaries: list[int], *, key: str, root: Path, batch_size: int, dtype: str, device
+    teacher_model, blocks, boundaries: list[int], *, key: str, root: Path, batch_size: int, dtype: str, device,
+    precision: str = "fp32",
 ) -> FeatureCache:
-    """Teacher boundary features at `boundaries`, one shard per training batch (reused when the key matches)."""
+    """Teacher boundary features at `boundaries`, one shard per training batch (reused when the key matches).
+
+    `precision` bf16 runs the teacher under bf16 autocast (the key must then say so).
+    """
     import torch
 
     from llmcompress.progress import track
+    from llmcompress.runtime import autocast
 
     cache = FeatureCache(root)
     if cache.is_complete(key):
@@ -227,7 +232,8 @@ def build_teacher_cache(
             ids = blocks[s : s + bs]
             parts: dict[str, list] = {f"b{j}": [] for j in range(len(boundaries))}
             for m in range(0, len(ids), CACHE_MICRO_BATCH):
-                states = teacher_features(teacher_model, ids[m : m + CACHE_MICRO_BATCH].to(device), boundaries)
+                with autocast(device, precision):
+                    states = teacher_features(teacher_model, ids[m : m + CACHE_MICRO_BATCH].to(device), boundaries)
                 for j, state in enumerate(states):
                     parts[f"b{j}"].append(state.to("cpu", tdtype))
                 del states

@@ -28,6 +28,13 @@ class HiddenLoss(str, Enum):
     COSINE = "cosine"
 
 
+class Precision(str, Enum):
+    """Compute precision of training and caching forward/backward passes (autocast)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
 class CacheDtype(str, Enum):
     BF16 = "bf16"
     FP16 = "fp16"
@@ -45,6 +52,9 @@ class DistillConfig:
         select: how removal picks the kept layers (uniform or Block Influence).
         mode: layer-wise curriculum or end-to-end baseline.
         train_tokens: training budget: tokens each student layer is trained on (both modes).
+        epochs: passes over the training data: the data is train_tokens / epochs distinct tokens, seen
+            `epochs` times (the layer-wise teacher cache is built once and reused on every pass; the
+            e2e baseline reruns the teacher on every step).
         segments: number of segments (None: one per student layer).
         data / data_split: training text (named dataset, file or `self`).
         seq_len / batch_size: block length and blocks per optimiser step.
@@ -59,6 +69,9 @@ class DistillConfig:
         phase1_fraction: share of each segment's token budget spent on teacher inputs (phase 1).
         mix_start / mix_end: weight of the student's own input at the start/end of phase 2.
         e2e_steps: end-to-end logit-distillation steps after the layer-wise phases.
+        precision: compute precision of the teacher caching pass, the segments' and e2e forward and
+            backward passes (bf16 = autocast; weights, gradients and AdamW state stay fp32, losses are
+            computed in fp32). Evaluation always runs in fp32.
         cache_dtype / cache_dir / prefetch: teacher feature cache settings (one shard = one batch).
         eval_tokens: tokens of WikiText-2 raw test for the report's perplexities (0 skips).
         threads: torch intra-op threads (None: torch's default). On a shared CPU, 1 can be much faster.
@@ -71,6 +84,7 @@ class DistillConfig:
     select: Select = Select.UNIFORM
     mode: Mode = Mode.LAYERWISE
     train_tokens: int = 16384
+    epochs: int = 1
     segments: int | None = None
     data: str = "wikitext2"
     data_split: str | None = "valid"
@@ -87,6 +101,7 @@ class DistillConfig:
     mix_start: float = 0.0
     mix_end: float = 1.0
     e2e_steps: int = 0
+    precision: Precision = Precision.FP32
     cache_dtype: CacheDtype = CacheDtype.BF16
     cache_dir: str | None = None
     prefetch: int = 2
@@ -101,6 +116,7 @@ class DistillConfig:
         self.mode = Mode(self.mode)
         self.hidden_loss = HiddenLoss(self.hidden_loss)
         self.cache_dtype = CacheDtype(self.cache_dtype)
+        self.precision = Precision(self.precision)
 
     @property
     def learning_rate(self) -> float:

@@ -83,9 +83,10 @@ def logit_steps(run: _Run, model, layers, *, steps: int, lr: float, order: list,
             for g in opt.param_groups:
                 g["lr"] = cur.lr_at(step, steps, lr)
             ids = batch["ids"].to(run.device)
-            with torch.no_grad():
+            with torch.no_grad(), run.autocast():
                 t_logits = teacher_logits(batch, ids)
-            s_logits = model(input_ids=ids, use_cache=False).logits
+            with run.autocast():
+                s_logits = model(input_ids=ids, use_cache=False).logits
             loss, parts = losses.logit_objective(s_logits, t_logits, ids, cfg.kl_temperature, cfg.ce_weight)
             losses.optimizer_step(opt, params, loss)
             run.log({"phase": "e2e", "step": step, "loss": loss.item(), **parts})

@@ -94,6 +94,12 @@ class _Run:
         else:
             self.log_buffer.append(record)
 
+    def autocast(self):
+        """Forward passes of training, propagation and caching run under this (cfg.precision)."""
+        from llmcompress.runtime import autocast
+
+        return autocast(self.device, self.cfg.precision.value)
+
     def save_state(self) -> None:
         if self.dist.is_main:
             write_json(self.work / "state.json", self.state)
@@ -117,7 +123,8 @@ def _segment_loss(run: _Run, seg: Segment, x, y, *, step_seed: int, with_kl: boo
     import torch
 
     cfg = run.cfg
-    out = _forward_segment(run, seg, x)
+    with run.autocast():
+        out = _forward_segment(run, seg, x)
     loss = losses.hidden_loss(cfg.hidden_loss.value, out, y)
     parts = {"hidden": float(loss.detach())}
     last = with_kl and seg.index == len(run.segments) - 1
@@ -127,9 +134,10 @@ def _segment_loss(run: _Run, seg: Segment, x, y, *, step_seed: int, with_kl: boo
         t_pos = t - 1 if use_ce else t  # CE needs the next token
         n = max(1, round(cfg.kl_positions * t_pos))
         pos = torch.randperm(t_pos, generator=torch.Generator().manual_seed(step_seed))[:n].sort().values.to(y.device)
-        s_logits = run.head(run.norm(out[:, pos]))
+        with run.autocast():
+            s_logits = run.head(run.norm(out[:, pos]))
         if cfg.kl_weight > 0:
-            with torch.no_grad():
+            with torch.no_grad(), run.autocast():
                 t_logits = run.head(run.norm(y[:, pos]))
             kl = losses.kl_logits(s_logits, t_logits, cfg.kl_temperature)
             parts["kl"] = float(kl.detach())
@@ -290,7 +298,7 @@ def _propagate(run: _Run, seg: Segment, shards: list[int]) -> None:
         return src.read(i - first, ["h"])["h"] if src is not None else run.teacher.read(i, ["b0"])["b0"]
 
     def outputs():
-        with torch.no_grad():
+        with torch.no_grad(), run.autocast():
             for h in track(prefetch(load, shards, depth=run.cfg.prefetch), f"propagating segment {seg.index}", total=len(shards)):
                 yield {"h": _forward_segment(run, seg, _to(h, run)).to("cpu", dtype)}
 
@@ -442,14 +450,17 @@ def _layerwise(run: _Run, lm, keep: list[int] | None, blocks, metrics: dict):
     cfg = run.cfg
     boundaries = teacher_boundaries(run.segments)
     teacher_id = lm.source_hash or weights_hash(lm.model)
-    key = cache_key("distill-features-v1", teacher_id, blocks, boundaries, cfg.cache_dtype.value, cfg.batch_size)
+    key_parts = [teacher_id, blocks, boundaries, cfg.cache_dtype.value, cfg.batch_size]
+    if cfg.precision.value != "fp32":  # features computed at another precision are other features
+        key_parts.append(cfg.precision.value)
+    key = cache_key("distill-features-v1", *key_parts)
     root = Path(cfg.cache_dir) if cfg.cache_dir else cache_dir() / "distill-features"
     t0 = time.perf_counter()
     if run.dist.is_main:
-        run.teacher = build_teacher_cache(lm.model, blocks, boundaries, key=key, root=root / key, batch_size=cfg.batch_size, dtype=cfg.cache_dtype.value, device=run.device)
+        run.teacher = build_teacher_cache(lm.model, blocks, boundaries, key=key, root=root / key, batch_size=cfg.batch_size, dtype=cfg.cache_dtype.value, device=run.device, precision=cfg.precision.value)
     run.dist.barrier()
     if not run.dist.is_main:
-        run.teacher = build_teacher_cache(lm.model, blocks, boundaries, key=key, root=root / key, batch_size=cfg.batch_size, dtype=cfg.cache_dtype.value, device=run.device)
+        run.teacher = build_teacher_cache(lm.model, blocks, boundaries, key=key, root=root / key, batch_size=cfg.batch_size, dtype=cfg.cache_dtype.value, device=run.device, precision=cfg.precision.value)
     metrics["cache_s"] = round(time.perf_counter() - t0, 2)
     metrics["cache_dir"] = str(root / key)
     adapter = get_adapter(lm.model)

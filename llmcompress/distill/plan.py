@@ -29,7 +29,7 @@ def prepare_out(cfg: DistillConfig, out: Path, overwrite: bool, resume: bool, di
     state: dict = {}
     if resume and state_path.is_file():
         state = json.loads(state_path.read_text())
-        if state.get("config") != cfg.result_dict():
+        if saved_settings(state.get("config") or {}) != cfg.result_dict():
             raise UserError(
                 f"--resume: {out} holds a run with different settings",
                 "rerun with the same options, or use --overwrite to start again",
@@ -42,12 +42,21 @@ def prepare_out(cfg: DistillConfig, out: Path, overwrite: bool, resume: bool, di
     return state or {"config": cfg.result_dict(), "phase1_done": [], "phase2_done": [], "e2e_done": False}
 
 
+def saved_settings(saved: dict) -> dict:
+    """A run's saved settings, with options added since it was saved set to their defaults.
+
+    Their defaults reproduce what the older code did (e.g. ce_weight 0, epochs 1), so such a run resumes.
+    """
+    defaults = DistillConfig().result_dict()
+    return {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
+
+
 def load_blocks(tokenizer, cfg: DistillConfig, model):
-    """Training blocks for the whole budget (one pass; fewer when the data is shorter: then it cycles)."""
+    """Training blocks: the budget's batches divided by --epochs (fewer when the data is shorter; training cycles over them)."""
     from llmcompress.data import calibration_blocks
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    n_blocks = math.ceil(cfg.train_tokens / tokens_per_step) * cfg.batch_size
+    n_blocks = math.ceil(math.ceil(cfg.train_tokens / tokens_per_step) / cfg.epochs) * cfg.batch_size
     try:
         blocks, label = calibration_blocks(
             tokenizer, cfg.data, split=cfg.data_split, seq_len=cfg.seq_len, n_blocks=n_blocks, seed=cfg.seed,
@@ -125,6 +134,8 @@ def plan_student(cfg: DistillConfig, model, blocks) -> tuple[list[dict], list[in
 def check_config(cfg: DistillConfig) -> None:
     if cfg.train_tokens < 1:
         raise UserError(f"--train-tokens {cfg.train_tokens} must be positive", "e.g. --train-tokens 16384")
+    if cfg.epochs < 1:
+        raise UserError(f"--epochs {cfg.epochs} must be 1 or more", "e.g. --epochs 4 (four passes over train-tokens / 4 distinct tokens)")
     if not 0.0 <= cfg.phase1_fraction <= 1.0:
         raise UserError("--phase1-fraction must be within [0, 1]", "e.g. 0.5")
     if not 0.0 < cfg.kl_positions <= 1.0:

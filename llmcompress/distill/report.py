@@ -27,6 +27,7 @@ def render(cfg, metrics: dict[str, Any]) -> str:
         ("parameters (teacher -> student)", f"{_fmt(metrics.get('teacher_parameters'))} -> {_fmt(metrics.get('student_parameters'))}"),
         ("training data", metrics.get("data")),
         ("training tokens (budget / unique)", f"{_fmt(metrics.get('train_tokens'))} / {_fmt(metrics.get('unique_tokens'))}"),
+        ("passes over the data (--epochs)", cfg.epochs),
         ("teacher perplexity", metrics.get("teacher_ppl")),
         ("student perplexity before", metrics.get("student_ppl_before")),
         ("student perplexity after", metrics.get("student_ppl")),
