@@ -107,7 +107,9 @@ NOTES = """
   heals more per token than the curriculum (49.8 against 60.7 at 49,152 tokens, 44.5 against 51.3 at
   196,608) at about the same wall time, with 2.7x its peak memory. Adding the next-token cross-entropy
   (`--ce-weight 1`) gains a little more (48.3 at 49,152, 43.2 at 196,608). None reaches 35.3; the e2e
-  excess over the teacher shrinks by about a quarter per 4x tokens. The 49,152-token CE run shared the cores with a
+  excess over the teacher shrinks by about a quarter per 4x tokens. A 786,432-token run in bf16 with CE over 3 passes of
+  262,144 distinct tokens (2026-12-04) ended at 46.3, worse than 43.2: the student memorised the repeated text
+  (its training cross-entropy fell pass by pass while the KL plateaued), so healing needs distinct text. The 49,152-token CE run shared the cores with a
   few minutes of unit tests, so its seconds are inflated.
 - Wall times: the 15-layer rows ran at load ~1-2 (the layer-wise and e2e rows each overlapped a
   single-threaded NAS check of a few minutes); the 4,096- and 16,384-token curve points ran with two other benchmarks and a
