@@ -456,11 +456,15 @@ def _layerwise(run: _Run, lm, keep: list[int] | None, blocks, metrics: dict):
     key = cache_key("distill-features-v1", *key_parts)
     root = Path(cfg.cache_dir) if cfg.cache_dir else cache_dir() / "distill-features"
     t0 = time.perf_counter()
-    if run.dist.is_main:
-        run.teacher = build_teacher_cache(lm.model, blocks, boundaries, key=key, root=root / key, batch_size=cfg.batch_size, dtype=cfg.cache_dtype.value, device=run.device, precision=cfg.precision.value)
+    def build():
+        return build_teacher_cache(lm.model, blocks, boundaries, key=key, root=root / key, batch_size=cfg.batch_size,
+                                   dtype=cfg.cache_dtype.value, device=run.device, precision=cfg.precision.value)
+
+    if run.dist.is_main:  # rank 0 first; the others then reuse its cache (shared filesystem) or build their own
+        run.teacher = build()
     run.dist.barrier()
     if not run.dist.is_main:
-        run.teacher = build_teacher_cache(lm.model, blocks, boundaries, key=key, root=root / key, batch_size=cfg.batch_size, dtype=cfg.cache_dtype.value, device=run.device, precision=cfg.precision.value)
+        run.teacher = build()
     metrics["cache_s"] = round(time.perf_counter() - t0, 2)
     metrics["cache_dir"] = str(root / key)
     adapter = get_adapter(lm.model)
