@@ -95,3 +95,28 @@ def test_unreachable_data_falls_back_to_self_text(tiny_hf_dir, tmp_path, monkeyp
     assert blocks.shape == (3, 16) and blocks.max() < 256
     again, _ = calibration_blocks(lm.tokenizer, "self", seq_len=16, n_blocks=3, seed=1, model=lm.model)
     assert torch.equal(blocks, again)  # deterministic under the seed (and cached)
+
+
+def test_mixed_sources_concatenate_and_draw_blocks_from_all(tiny_hf_dir, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from llmcompress.data.blocks import calibration_blocks, split_sources
+
+    monkeypatch.setenv("LLMCOMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+    tok = AutoTokenizer.from_pretrained(tiny_hf_dir)
+    a, b = tmp_path / "a.txt", tmp_path / "b:x.txt"  # a colon in a file name stays part of the path
+    a.write_text("a" * 160)
+    b.write_text("b" * 160)
+    blocks, label = calibration_blocks(tok, f"{a},{b}", seq_len=16, n_blocks=100, seed=0)
+    assert label == f"{a}+{b}"
+    assert blocks.shape == (20, 16)  # every block of both files (n_blocks caps at what there is)
+    assert {int(r.unique()[0]) for r in blocks if r.unique().numel() == 1} == {ord("a"), ord("b")}
+    only_a, _ = calibration_blocks(tok, str(a), seq_len=16, n_blocks=100, seed=0)
+    assert only_a.shape == (10, 16) and bool((only_a == ord("a")).all())
+    assert split_sources("wikitext2, tinyshakespeare:all", "valid") == [("wikitext2", "valid"), ("tinyshakespeare", "all")]
+    assert split_sources(str(b), "valid") == [(str(b), "valid")]
+    with pytest.raises(DataError, match="empty source"):
+        split_sources("wikitext2,,piqa", "valid")
+    with pytest.raises(DataError, match="cannot be mixed"):
+        calibration_blocks(tok, f"self,{a}", seq_len=16, n_blocks=2)
+

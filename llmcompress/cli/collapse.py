@@ -33,7 +33,7 @@ def collapse_command(
     spec: Annotated[Optional[Path], typer.Option("--spec", help="YAML search spec (CLI flags override its fields).")] = None,
     calib_tokens: Annotated[Optional[int], typer.Option("--calib-tokens", help="Calibration tokens.")] = None,
     val_tokens: Annotated[Optional[int], typer.Option("--val-tokens", help="Validation tokens (never optimized on).")] = None,
-    calib_data: Annotated[Optional[str], typer.Option("--calib-data", help="Calibration source: wikitext2, a file, or self.")] = None,
+    calib_data: Annotated[Optional[str], typer.Option("--calib-data", help="Calibration source: wikitext2, a file, or self; NAME:SPLIT picks a split; several joined by commas are mixed.")] = None,
     eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report (0 skips).")] = None,
     piqa_limit: Annotated[Optional[int], typer.Option("--piqa-limit", help="PIQA examples for the report (0 skips).")] = None,
     max_cache_gb: Annotated[Optional[float], typer.Option("--max-cache-gb", help="Memory for cached states; beyond it they go to disk.")] = None,

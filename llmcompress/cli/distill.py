@@ -49,7 +49,7 @@ def distill_command(
     mode: Annotated[ModeChoice, typer.Option("--mode", help="layerwise (curriculum) | e2e (end-to-end logit KL baseline).")] = ModeChoice.layerwise,
     segments: Annotated[Optional[int], typer.Option("--segments", help="Number of segments (default: one per student layer).")] = None,
     e2e_steps: Annotated[int, typer.Option("--e2e-steps", help="End-to-end logit-KL steps after the layer-wise phases.")] = 0,
-    data: Annotated[str, typer.Option("--data", help="Training text: wikitext2 | tinyshakespeare | self | a .txt/.jsonl path.")] = "wikitext2",
+    data: Annotated[str, typer.Option("--data", help="Training text: wikitext2 | tinyshakespeare | piqa | self | a .txt/.jsonl path; NAME:SPLIT picks a split; several joined by commas are mixed (e.g. wikitext2,tinyshakespeare:all).")] = "wikitext2",
     data_split: Annotated[str, typer.Option("--data-split", help="Split of a named dataset.")] = "valid",
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per training block.")] = 256,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Blocks per step (= one cache shard).")] = 4,

@@ -145,22 +145,51 @@ def calibration_blocks(
 ) -> tuple[torch.Tensor, str]:
     """(n_blocks, seq_len) token blocks for calibration or training, and a description of their origin.
 
-    `source` is a named dataset, a file, or `self` (sampled from `model`). When a named dataset cannot
-    be reached and `model` is given, falls back to `self` with a notice on stderr.
+    `source` is a named dataset (`name` or `name:split`), a file, several of these joined by commas
+    (their token streams concatenated, blocks drawn from all), or `self` (sampled from `model`). When a
+    single named dataset cannot be reached and `model` is given, falls back to `self` with a notice on stderr.
     """
+    import torch
+
     from llmcompress.data.sources import DATASETS, load_texts
 
+    parts = split_sources(source, split)
     if source == "self":
         if model is None:
             raise DataError("`self` data needs the model", "pass the model to sample from")
         return self_text_blocks(model, tokenizer, seq_len, n_blocks, seed), "self (sampled from the model)"
-    try:
-        texts = load_texts(source, split)
-    except DataError as exc:
-        if not (allow_self_fallback and model is not None and source in DATASETS):
-            raise
-        print(f"notice: {exc.message}; falling back to data-free `self` text sampled from the model", file=sys.stderr)
-        return self_text_blocks(model, tokenizer, seq_len, n_blocks, seed), "self (fallback: data unreachable)"
-    ids = token_stream(tokenizer, texts)
-    label = f"{source}:{split}" if source in DATASETS else str(Path(source))
-    return pack_blocks(ids, seq_len, n_blocks=n_blocks, seed=seed, offset=offset), label
+    if len(parts) > 1 and any(name == "self" for name, _ in parts):
+        raise DataError(f"`self` cannot be mixed with other data in {source!r}", "use `self` alone, or only datasets and files")
+    streams, labels = [], []
+    for name, part_split in parts:
+        try:
+            texts = load_texts(name, part_split)
+        except DataError as exc:
+            if not (allow_self_fallback and model is not None and len(parts) == 1 and name in DATASETS):
+                raise
+            print(f"notice: {exc.message}; falling back to data-free `self` text sampled from the model", file=sys.stderr)
+            return self_text_blocks(model, tokenizer, seq_len, n_blocks, seed), "self (fallback: data unreachable)"
+        streams.append(token_stream(tokenizer, texts))
+        labels.append(f"{name}:{part_split}" if name in DATASETS else str(Path(name)))
+    ids = streams[0] if len(streams) == 1 else torch.cat(streams)
+    return pack_blocks(ids, seq_len, n_blocks=n_blocks, seed=seed, offset=offset), "+".join(labels)
+
+
+def split_sources(source: str, split: str | None) -> list[tuple[str, str | None]]:
+    """The parts of a `--data` value: comma-separated sources, each a dataset (with an optional `:split`) or a file.
+
+    `wikitext2,tinyshakespeare:all` -> [("wikitext2", split), ("tinyshakespeare", "all")]: a named part
+    without its own split takes `split`. A part that names an existing file is a file, even with a colon.
+    """
+    from llmcompress.data.sources import DATASETS
+
+    out: list[tuple[str, str | None]] = []
+    for part in (p.strip() for p in source.split(",")):
+        if not part:
+            raise DataError(f"empty source in --data {source!r}", "separate sources with single commas, e.g. wikitext2,tinyshakespeare:all")
+        name, sep, own = part.partition(":")
+        if sep and name in DATASETS and not Path(part).exists():
+            out.append((name, own))
+        else:
+            out.append((part, split))
+    return out
