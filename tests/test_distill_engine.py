@@ -267,3 +267,16 @@ def test_student_checkpoint_with_layer_map(tiny_hf_dir, data_file, tmp_path):
     assert all(isinstance(m[k], float) and m[k] > 1 for k in ("teacher_ppl", "student_ppl_before", "student_ppl"))
     assert "student perplexity after" in (tmp_path / "out" / "report.md").read_text()
     assert json.loads((tmp_path / "out" / "student" / "llmcompress.json").read_text())["layer_map"] == layer_map
+
+
+def test_e2e_lr_sets_the_e2e_steps_rate(tiny_hf_dir, data_file, tmp_path):
+    """--e2e-lr defaults to a quarter of --lr (same weights when given explicitly); another value trains otherwise."""
+    runs = {name: make_cfg(tiny_hf_dir, data_file, tmp_path, e2e_steps=4, e2e_lr=e2e_lr)
+            for name, e2e_lr in (("default", None), ("quarter", 2e-3 * 0.25), ("full", 2e-3))}
+    states = {}
+    for name, cfg in runs.items():
+        distill(cfg, tmp_path / name)
+        states[name] = student_state(tmp_path / name)
+    for k in states["default"]:
+        torch.testing.assert_close(states["quarter"][k], states["default"][k], rtol=0, atol=0)
+    assert any(not torch.equal(states["full"][k], states["default"][k]) for k in states["default"])

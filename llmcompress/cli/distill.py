@@ -49,6 +49,7 @@ def distill_command(
     mode: Annotated[ModeChoice, typer.Option("--mode", help="layerwise (curriculum) | e2e (end-to-end logit KL baseline).")] = ModeChoice.layerwise,
     segments: Annotated[Optional[int], typer.Option("--segments", help="Number of segments (default: one per student layer).")] = None,
     e2e_steps: Annotated[int, typer.Option("--e2e-steps", help="End-to-end logit-KL steps after the layer-wise phases.")] = 0,
+    e2e_lr: Annotated[Optional[float], typer.Option("--e2e-lr", help="Learning rate of the --e2e-steps phase (default: a quarter of --lr).")] = None,
     data: Annotated[str, typer.Option("--data", help="Training text: wikitext2 | tinyshakespeare | piqa | self | a .txt/.jsonl path; NAME:SPLIT picks a split; several joined by commas are mixed (e.g. wikitext2,tinyshakespeare:all).")] = "wikitext2",
     data_split: Annotated[str, typer.Option("--data-split", help="Split of a named dataset.")] = "valid",
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per training block.")] = 256,
@@ -89,7 +90,7 @@ def distill_command(
         teacher=teacher, keep_layers=keep_layers, student=student, select=select.value, mode=mode.value,
         train_tokens=train_tokens, epochs=epochs, segments=segments, data=data, data_split=data_split, seq_len=seq_len,
         batch_size=batch_size, lr=lr, hidden_loss=hidden_loss.value, kl_weight=kl_weight, ce_weight=ce_weight,
-        phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, precision=precision.value, cache_dtype=cache_dtype.value,
+        phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, e2e_lr=e2e_lr, precision=precision.value, cache_dtype=cache_dtype.value,
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
     )
     dev, _ = resolve_device(device)

@@ -69,6 +69,7 @@ class DistillConfig:
         phase1_fraction: share of each segment's token budget spent on teacher inputs (phase 1).
         mix_start / mix_end: weight of the student's own input at the start/end of phase 2.
         e2e_steps: end-to-end logit-distillation steps after the layer-wise phases.
+        e2e_lr: their AdamW learning rate (None: a quarter of the layer-wise lr).
         precision: compute precision of the teacher caching pass, the segments' and e2e forward and
             backward passes (bf16 = autocast; weights, gradients and AdamW state stay fp32, losses are
             computed in fp32). Evaluation always runs in fp32.
@@ -101,6 +102,7 @@ class DistillConfig:
     mix_start: float = 0.0
     mix_end: float = 1.0
     e2e_steps: int = 0
+    e2e_lr: float | None = None
     precision: Precision = Precision.FP32
     cache_dtype: CacheDtype = CacheDtype.BF16
     cache_dir: str | None = None
@@ -124,6 +126,11 @@ class DistillConfig:
             return self.lr
         return 2e-3 if self.mode == Mode.LAYERWISE else 5e-4
 
+    @property
+    def e2e_steps_lr(self) -> float:
+        """Learning rate of the --e2e-steps phase."""
+        return self.e2e_lr if self.e2e_lr is not None else self.learning_rate * 0.25
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         return {k: (v.value if isinstance(v, Enum) else v) for k, v in d.items()}
@@ -139,6 +146,6 @@ class DistillConfig:
     def result_dict(self) -> dict[str, Any]:
         """The fields that decide the trained weights (for resume checks; excludes eval/cache placement)."""
         d = self.to_dict()
-        for k in ("eval_tokens", "eval_seq_len", "cache_dir", "prefetch", "e2e_steps", "threads"):
+        for k in ("eval_tokens", "eval_seq_len", "cache_dir", "prefetch", "e2e_steps", "e2e_lr", "threads"):
             d.pop(k)
         return d

@@ -331,7 +331,7 @@ def _phase2(run: _Run, steps: int, shards: list[int]) -> None:
 def _e2e_from_cache(run: _Run, steps: int) -> None:
     """End-to-end logit KL on the whole student, teacher logits from the cached final teacher states.
 
-    At a quarter of the layer-wise learning rate; checkpointed every quarter of the steps
+    At --e2e-lr (default a quarter of the layer-wise learning rate); checkpointed every quarter of the steps
     (work/e2e-steps-checkpoint.pt), so `--resume` continues from the last quarter.
     """
     from llmcompress.distill.e2e import logit_steps
@@ -340,7 +340,7 @@ def _e2e_from_cache(run: _Run, steps: int) -> None:
     cfg = run.cfg
     last = f"b{len(run.segments)}"
     logit_steps(
-        run, run.model, get_adapter(run.model).decoder_layers(run.model), steps=steps, lr=cfg.learning_rate * 0.25,
+        run, run.model, get_adapter(run.model).decoder_layers(run.model), steps=steps, lr=cfg.e2e_steps_lr,
         order=cur.epoch_order(run.teacher.n_shards, steps, seed=cfg.seed + 7),
         load=lambda i: run.teacher.read(i, ["ids", last]),
         teacher_logits=lambda batch, ids: run.head(run.norm(_to(batch[last], run))),
