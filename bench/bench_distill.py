@@ -203,8 +203,10 @@ def render(res: dict) -> str:
         lines.append("")
         for k, runs in series.items():
             for t, r in sorted(runs.items(), key=lambda kv: int(kv[0])):
-                lines.append(f"- {k}, {int(t):,} tokens: training wall {r['train_wall_s']:.0f} s, peak RSS {r['peak_rss_mb']:.0f} MiB "
-                             f"(imported {r['imported']}).")
+                data = r.get("data", "wikitext2:valid")
+                text = "" if data == "wikitext2:valid" else f", training text {data} ({r['unique_tokens']:,} distinct tokens)"
+                lines.append(f"- {k}, {int(t):,} tokens: training wall {r['train_wall_s']:.0f} s, peak RSS {r['peak_rss_mb']:.0f} MiB"
+                             f"{text} (imported {r['imported']}).")
     lines += ["", "![curve](RESULTS-distill-curve.png)", ""]
     return "\n".join(lines)
 
@@ -310,14 +312,14 @@ def _import_runs(specs: list[str]) -> None:
         keep = keeps(manifest["layer_map"])
         checks = {"student layers": (keep, res.get("bi22_keep")), "eval tokens": (cfg["eval_tokens"], st["eval_tokens"]),
                   "batch size": (cfg["batch_size"], st["batch_size"]), "seq len": (cfg["seq_len"], st["seq_len"]),
-                  "data": (m["data"], "wikitext2:valid")}
+                  "data": (m["data"].split("+")[0], "wikitext2:valid")}  # WikiText-2 valid, alone or mixed with more text
         for what, (got, want) in checks.items():
             if got != want:
                 raise SystemExit(f"{out}: {what} {got} differs from the curve's {want}")
         res.setdefault("bi22_series", {}).setdefault(label, {})[str(m["train_tokens"])] = {
             "ppl": m["student_ppl"], "ppl_before": m["student_ppl_before"], "train_wall_s": m["train_wall_s"],
             "peak_rss_mb": m["peak_rss_mb"], "mode": m["mode"], "lr": cfg["lr"], "ce_weight": cfg.get("ce_weight", 0.0),
-            "imported": time.strftime("%Y-%m-%d %H:%M UTC"),
+            "imported": time.strftime("%Y-%m-%d %H:%M UTC"), "data": m["data"], "unique_tokens": m.get("unique_tokens"),
         }
     raw.write_text(json.dumps(res, indent=2))
     plot([tuple(x) for x in res["bi22_curve"]], res["teacher_ppl"], ROOT / "bench" / "RESULTS-distill-curve.png", res.get("bi22_series"))

@@ -120,3 +120,31 @@ def test_mixed_sources_concatenate_and_draw_blocks_from_all(tiny_hf_dir, tmp_pat
     with pytest.raises(DataError, match="cannot be mixed"):
         calibration_blocks(tok, f"self,{a}", seq_len=16, n_blocks=2)
 
+
+
+def test_self_text_sampling_resumes_after_an_interruption(tiny_hf_dir, tmp_path, monkeypatch):
+    from llmcompress.data.blocks import self_text_blocks
+    from llmcompress.io.load import load_model
+
+    monkeypatch.setenv("LLMCOMPRESS_CACHE_DIR", str(tmp_path / "ref"))
+    lm = load_model(str(tiny_hf_dir))
+    ref = self_text_blocks(lm.model, lm.tokenizer, 12, 5, seed=2, batch=2)
+    assert ref.shape == (5, 12) and not list((tmp_path / "ref").rglob("*.parts"))  # parts removed once whole
+    monkeypatch.setenv("LLMCOMPRESS_CACHE_DIR", str(tmp_path / "run"))
+    generate, calls, fail_at = lm.model.generate, [], [2]
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) in fail_at:
+            raise RuntimeError("interrupted")
+        return generate(*a, **kw)
+
+    monkeypatch.setattr(lm.model, "generate", failing)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        self_text_blocks(lm.model, lm.tokenizer, 12, 5, seed=2, batch=2)
+    assert not list((tmp_path / "run").rglob("*-5-2-b2.pt"))  # no whole file from a half run
+    calls.clear()
+    fail_at.clear()
+    got = self_text_blocks(lm.model, lm.tokenizer, 12, 5, seed=2, batch=2)
+    assert len(calls) == 2  # the first batch was kept; the other two sampled now
+    assert torch.equal(got, ref)

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmcompress")
 
+SELF_BATCH = 16  # sequences sampled at once by `self_text_blocks`
+
 
 def tokenizer_fingerprint(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -95,39 +97,48 @@ def pack_blocks(
     return blocks[order].clone()
 
 
-def self_text_blocks(model, tokenizer, seq_len: int, n_blocks: int, seed: int) -> torch.Tensor:
+def self_text_blocks(model, tokenizer, seq_len: int, n_blocks: int, seed: int, batch: int = SELF_BATCH) -> torch.Tensor:
     """Data-free calibration: sequences sampled from the model itself, starting from random vocabulary tokens.
 
-    Cached by (model weights fingerprint, seq_len, n_blocks, seed).
+    Sampled `batch` sequences at a time (with the KV cache; a larger batch amortises reading the weights).
+    Cached by (model weights fingerprint, seq_len, n_blocks, seed, batch). Each finished batch is kept
+    (written atomically) until all are done, so an interrupted sampling resumes where it stopped.
     """
+    import shutil
+
     import torch
 
     from llmcompress.progress import track
 
     first = next(model.parameters())
     fp = hashlib.sha256(first.detach().float().cpu().numpy().tobytes()[:1 << 20]).hexdigest()[:12]
-    path = cache_dir() / "self-data" / f"{fp}-{seq_len}-{n_blocks}-{seed}.pt"
+    path = cache_dir() / "self-data" / f"{fp}-{seq_len}-{n_blocks}-{seed}-b{batch}.pt"
     if path.is_file():
         return torch.load(path)
-    g = torch.Generator().manual_seed(seed)
-    device = first.device
-    batch = 4
+    parts = path.with_suffix(".parts")
+    parts.mkdir(parents=True, exist_ok=True)
+    prompts = torch.randint(0, len(tokenizer), (n_blocks, 1), generator=torch.Generator().manual_seed(seed))
     out = []
     for start in track(range(0, n_blocks, batch), "sampling self data", total=(n_blocks + batch - 1) // batch):
         b = min(batch, n_blocks - start)
-        prompt = torch.randint(0, len(tokenizer), (b, 1), generator=g).to(device)
+        part = parts / f"{start}-{b}.pt"
+        if part.is_file():
+            out.append(torch.load(part))
+            continue
         torch.manual_seed(seed + start)
         with torch.no_grad():
             seq = model.generate(
-                prompt, do_sample=True, top_p=0.95, temperature=1.0, max_new_tokens=seq_len - 1, min_new_tokens=seq_len - 1,
-                pad_token_id=tokenizer.pad_token_id,
+                prompts[start : start + b].to(first.device), do_sample=True, top_p=0.95, temperature=1.0,
+                max_new_tokens=seq_len - 1, min_new_tokens=seq_len - 1, pad_token_id=tokenizer.pad_token_id,
             )
         out.append(seq[:, :seq_len].cpu())
+        torch.save(out[-1], part.with_suffix(".tmp"))
+        part.with_suffix(".tmp").replace(part)
     blocks = torch.cat(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(blocks, tmp)
     tmp.replace(path)
+    shutil.rmtree(parts, ignore_errors=True)
     return blocks
 
 
