@@ -100,8 +100,7 @@ NOTES = """
 - **Healing the 22-layer BI student: goal not met.** 118.3 -> 96.3 (4,096 tokens) -> 74.7 (16,384)
   -> 60.7 (49,152) -> see the table for 196,608, at lr 5e-4; each point is its own run from the untrained
   student. Within 20% of the dense model (<= 35.3) is not reached; the curve falls by roughly 14 points per
-  3x tokens. Training text stayed within WikiText-2 valid (about 280k tokens; no tinyshakespeare or
-  `self` data was needed at these budgets). The 49,152- and 196,608-token points were added on
+  3x tokens. The layer-wise curve's text is WikiText-2 valid (about 262k tokens). The 49,152- and 196,608-token points were added on
   2026-12-03 with `--curve-only` on an idle machine, so their seconds are clean.
 - **The same student healed end to end** (2026-12-03 evening, `--import-run` table above): `--mode e2e`
   heals more per token than the curriculum (49.8 against 60.7 at 49,152 tokens, 44.5 against 51.3 at
@@ -109,7 +108,11 @@ NOTES = """
   (`--ce-weight 1`) gains a little more (48.3 at 49,152, 43.2 at 196,608). None reaches 35.3; the e2e
   excess over the teacher shrinks by about a quarter per 4x tokens. A 786,432-token run in bf16 with CE over 3 passes of
   262,144 distinct tokens (2026-12-04) ended at 46.3, worse than 43.2: the student memorised the repeated text
-  (its training cross-entropy fell pass by pass while the KL plateaued), so healing needs distinct text. The 49,152-token CE run shared the cores with a
+  (its training cross-entropy fell pass by pass while the KL plateaued), so healing needs distinct text.
+  All the distinct text here (WikiText-2 valid + tinyshakespeare + PIQA, 655,360 tokens, one pass, bf16,
+  with CE; 2026-12-04) gave 42.5, only 0.7 better than 196,608 WikiText tokens: over half of it is out of
+  the test's domain. That run's Block Influence, measured on the mixed text, kept layer 3 instead of 16
+  (114.0 before healing). The 49,152-token CE run shared the cores with a
   few minutes of unit tests, so its seconds are inflated.
 - Wall times: the 15-layer rows ran at load ~1-2 (the layer-wise and e2e rows each overlapped a
   single-threaded NAS check of a few minutes); the 4,096- and 16,384-token curve points ran with two other benchmarks and a
@@ -122,22 +125,34 @@ def keeps(layer_map) -> list[int]:
 
 
 def plot(curve: list[tuple[int, float]], teacher: float, path: Path, series: dict | None = None) -> None:
+    """Perplexity against training tokens on a log axis; the untrained student sits at the "none" tick."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs, ys = zip(*curve)
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    ax.plot(xs, ys, "o-", label="22-layer BI student, layer-wise distill")
+    untrained_x = 1024  # stands for 0 tokens on the log axis
+
+    def draw(pts, style, label):
+        """Trained points joined by a line; the untrained one a lone marker (no trend between them)."""
+        trained = [(t, y) for t, y in pts if t > 0]
+        (line,) = ax.plot([t for t, _ in trained], [y for _, y in trained], style, label=label)
+        ax.plot([untrained_x for t, _ in pts if t == 0], [y for t, y in pts if t == 0], style[0], color=line.get_color())
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    draw(curve, "o-", "22-layer BI student, layer-wise distill")
     for label, runs in (series or {}).items():
-        pts = [(0, curve[0][1])] + sorted((int(t), r["ppl"]) for t, r in runs.items())
-        ax.plot(*zip(*pts), "s--", label=f"same student, {label}")
+        before = next(iter(runs.values())).get("ppl_before", curve[0][1])
+        draw([(0, before)] + sorted((int(t), r["ppl"]) for t, r in runs.items()), "s--", f"22-layer student, {label}")
     ax.axhline(teacher, color="gray", ls="--", label="teacher (30 layers)")
     ax.axhline(1.2 * teacher, color="gray", ls=":", label="goal: within 20% of the teacher")
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("WikiText-2 perplexity")
-    ax.legend(fontsize=7, loc="upper right")
+    ax.set_xscale("log", base=2)
+    ticks = [untrained_x] + [4**k * 1024 for k in range(1, 6)]
+    ax.set_xticks(ticks, ["none", "4k", "16k", "64k", "256k", "1M"])
+    ax.minorticks_off()
+    ax.set_xlabel("training tokens (log scale)")
+    ax.set_ylabel("WikiText-2 test perplexity")
+    ax.legend(fontsize=6.5, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -194,7 +209,8 @@ def render(res: dict) -> str:
         tokens = sorted({int(t) for runs in series.values() for t in runs})
         lines += ["", "### The same student healed by other training schemes", "",
                   "Each cell is its own `llmcompress distill` run from the untrained 22-layer student, recorded with "
-                  "`--import-run` (same data, batch, seq-len and evaluation as the layer-wise column; commands in BENCHMARKS.md).", "",
+                  "`--import-run` (same batch, seq-len and evaluation as the layer-wise column, and the same data unless its line below "
+                  "names other text; commands in BENCHMARKS.md).", "",
                   "| training tokens | layer-wise | " + " | ".join(series) + " |", "|---" * (2 + len(series)) + "|"]
         for t in tokens:
             cells = [f"{series[k][str(t)]['ppl']:.2f}" if str(t) in series[k] else "-" for k in series]
@@ -205,6 +221,9 @@ def render(res: dict) -> str:
             for t, r in sorted(runs.items(), key=lambda kv: int(kv[0])):
                 data = r.get("data", "wikitext2:valid")
                 text = "" if data == "wikitext2:valid" else f", training text {data} ({r['unique_tokens']:,} distinct tokens)"
+                if r.get("keep", res.get("bi22_keep")) != res.get("bi22_keep"):
+                    text += (f"; Block Influence on that text kept teacher layers {r['keep']}, so this student started at "
+                             f"{r['ppl_before']:.2f}, not {res['bi22_curve'][0][1]:.2f}")
                 lines.append(f"- {k}, {int(t):,} tokens: training wall {r['train_wall_s']:.0f} s, peak RSS {r['peak_rss_mb']:.0f} MiB"
                              f"{text} (imported {r['imported']}).")
     lines += ["", "![curve](RESULTS-distill-curve.png)", ""]
@@ -310,7 +329,9 @@ def _import_runs(specs: list[str]) -> None:
         manifest = json.loads((out / "student" / "llmcompress.json").read_text())
         cfg = manifest["config"]
         keep = keeps(manifest["layer_map"])
-        checks = {"student layers": (keep, res.get("bi22_keep")), "eval tokens": (cfg["eval_tokens"], st["eval_tokens"]),
+        if len(keep) != len(res.get("bi22_keep", [])):
+            raise SystemExit(f"{out}: a {len(keep)}-layer student, not the curve's {len(res['bi22_keep'])} layers")
+        checks = {"eval tokens": (cfg["eval_tokens"], st["eval_tokens"]),
                   "batch size": (cfg["batch_size"], st["batch_size"]), "seq len": (cfg["seq_len"], st["seq_len"]),
                   "data": (m["data"].split("+")[0], "wikitext2:valid")}  # WikiText-2 valid, alone or mixed with more text
         for what, (got, want) in checks.items():
@@ -320,6 +341,7 @@ def _import_runs(specs: list[str]) -> None:
             "ppl": m["student_ppl"], "ppl_before": m["student_ppl_before"], "train_wall_s": m["train_wall_s"],
             "peak_rss_mb": m["peak_rss_mb"], "mode": m["mode"], "lr": cfg["lr"], "ce_weight": cfg.get("ce_weight", 0.0),
             "imported": time.strftime("%Y-%m-%d %H:%M UTC"), "data": m["data"], "unique_tokens": m.get("unique_tokens"),
+            "keep": keep,  # Block Influence measured on other text keeps other layers
         }
     raw.write_text(json.dumps(res, indent=2))
     plot([tuple(x) for x in res["bi22_curve"]], res["teacher_ppl"], ROOT / "bench" / "RESULTS-distill-curve.png", res.get("bi22_series"))

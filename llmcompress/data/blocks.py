@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmcompress")
 
-SELF_BATCH = 16  # sequences sampled at once by `self_text_blocks`
+SELF_BATCH = 32  # sequences sampled at once by `self_text_blocks`
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
