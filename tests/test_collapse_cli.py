@@ -129,3 +129,9 @@ def test_sigterm_unwinds_like_ctrl_c():
     before = signal.getsignal(signal.SIGTERM)
     assert run_app(app, []) == 130
     assert cleaned == [True] and signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is present")
+def test_device_cuda_without_gpu_is_one_line(tmp_path):
+    _one_line_error(cli("--target-layers", "3", "--device", "cuda", "--out", tmp_path / "o"), "no CUDA device")
+    assert not (tmp_path / "o").exists()

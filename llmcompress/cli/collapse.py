@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import ModelArg, OverwriteOpt, ResumeOpt
+from llmcompress.cli._options import DeviceOpt, ModelArg, OverwriteOpt, ResumeOpt
 
 
 class Method(str, enum.Enum):
@@ -37,6 +37,7 @@ def collapse_command(
     eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report (0 skips).")] = None,
     piqa_limit: Annotated[Optional[int], typer.Option("--piqa-limit", help="PIQA examples for the report (0 skips).")] = None,
     max_cache_gb: Annotated[Optional[float], typer.Option("--max-cache-gb", help="Memory for cached states; beyond it they go to disk.")] = None,
+    device: DeviceOpt = "auto",
     resume: ResumeOpt = False,
     overwrite: OverwriteOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (default ./runs/collapse-<timestamp>).")] = None,
@@ -74,7 +75,7 @@ def collapse_command(
 
     from llmcompress.collapse.pipeline import run_collapse
 
-    result = run_collapse(cfg, out, overwrite=overwrite, resume=resume)
+    result = run_collapse(cfg, out, overwrite=overwrite, resume=resume, device=device)
     typer.echo(f"wrote {result.out_dir}: {len(result.front)} solution(s) on the front, {len(result.saved)} checkpoint(s)")
     for path in result.saved:
         typer.echo(f"  {path}")

@@ -66,12 +66,17 @@ STATES_PREFIX = "collapse-states-"  # spilled boundary states: one temp dir per 
 
 
 class StateStore:
-    """Boundary hidden states, (n, T, H) per boundary, kept in memory or memory-mapped from disk."""
+    """Boundary hidden states, (n, T, H) per boundary, kept in memory or memory-mapped from disk.
 
-    def __init__(self, states: list[torch.Tensor], max_bytes: float, cache_dir: Path | None = None) -> None:
+    States computed on a GPU stay there while they fit `max_bytes`; spilled ones live on the host's disk
+    and `get` brings the rows asked for back to `device` (the device the states were computed on).
+    """
+
+    def __init__(self, states: list[torch.Tensor], max_bytes: float, cache_dir: Path | None = None, device=None) -> None:
         import torch
 
         total = sum(s.numel() * s.element_size() for s in states)
+        self.device = device if device is not None else (states[0].device if states else torch.device("cpu"))
         self.on_disk = total > max_bytes
         self._dir = None
         if self.on_disk:
@@ -79,7 +84,7 @@ class StateStore:
             self._states = []
             for i, s in enumerate(states):
                 path = self._dir / f"b{i}.pt"
-                torch.save(s.contiguous(), self._dir / f".b{i}.tmp")
+                torch.save(s.cpu().contiguous(), self._dir / f".b{i}.tmp")
                 (self._dir / f".b{i}.tmp").replace(path)
                 self._states.append(torch.load(path, mmap=True))
         else:
@@ -90,7 +95,7 @@ class StateStore:
         return len(self._states)
 
     def get(self, i: int, rows: slice) -> torch.Tensor:
-        return self._states[i][rows]
+        return self._states[i][rows].to(self.device)
 
     def all(self) -> list[torch.Tensor]:
         return self._states
@@ -123,8 +128,9 @@ def build_reference(model, blocks, *, topk: int, stride: int, batch: int, max_by
 
     per_boundary: list[list[torch.Tensor]] = []
     idx, lp = [], []
+    device = next(model.parameters()).device
     for s in range(0, blocks.shape[0], batch):
-        states, logits = boundary_states(model, blocks[s : s + batch])
+        states, logits = boundary_states(model, blocks[s : s + batch].to(device))
         if not per_boundary:
             per_boundary = [[] for _ in states]
         for i, st in enumerate(states):
@@ -259,7 +265,7 @@ class Evaluator:
                 h = self.final_hidden(cand, ref, rows)[:, :: ref.stride]
                 top_idx, top_logp = ref.top_idx[rows], ref.top_logp[rows]
                 if not self.use_reference:  # naive baseline: rerun the original on the tokens
-                    logits = self.model(input_ids=ref.blocks[rows], use_cache=False).logits[:, :: ref.stride]
+                    logits = self.model(input_ids=ref.blocks[rows].to(h.device), use_cache=False).logits[:, :: ref.stride]
                     top_logp, top_idx = torch.log_softmax(logits.float(), dim=-1).topk(top_idx.shape[-1], dim=-1)
                 kl = self.scored_kl(h, top_idx, top_logp)
                 total += float(kl.sum())

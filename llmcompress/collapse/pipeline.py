@@ -67,7 +67,8 @@ def _record(ev, name, method, cand):
     return solution_record(name, cand, ev.evaluate(cand), ev.evaluate(cand, "val"), method=method)
 
 
-def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False, resume: bool = False, lm=None, stop_after=None) -> CollapseResult:
+def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False, resume: bool = False, lm=None, stop_after=None,
+                 device: str = "cpu") -> CollapseResult:
     """Run a collapse search (or a baseline) and write every output under `out_dir`.
 
     Args:
@@ -75,6 +76,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
         out_dir: output directory (must be new unless overwrite/resume).
         lm: an already loaded `LoadedModel` (else `cfg.model` is loaded).
         stop_after: stop the search after this generation (simulates an interruption).
+        device: where the model, its cached states and every candidate run ("cpu", "cuda[:N]", "auto").
     """
     from llmcompress.collapse import export as E
     from llmcompress.collapse.search import (
@@ -87,12 +89,13 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
     from llmcompress.io.atomic import check_out_dir, write_json
     from llmcompress.io.load import load_model
     from llmcompress.progress import bar
-    from llmcompress.runtime import seed_everything
+    from llmcompress.runtime import resolve_device, seed_everything
 
     out_dir = Path(out_dir)
     cfg.validate()
+    dev, _ = resolve_device(device)
     check_out_dir(out_dir, overwrite=overwrite, resume=resume)
-    lm = lm or load_model(cfg.model)
+    lm = lm or load_model(cfg.model, device=dev)
     L = lm.model.config.num_hidden_layers
     cfg.validate(L)
     space = make_space(cfg, L)

@@ -132,7 +132,7 @@ def add_screen(ev: Evaluator, blocks: int) -> None:
     n = max(1, min(blocks, calib.n_blocks))
     if SCREEN in ev.refs and ev.refs[SCREEN].n_blocks == n:
         return
-    states = StateStore([s[:n] for s in calib.states.all()], float("inf"))
+    states = StateStore([s[:n] for s in calib.states.all()], float("inf"), device=calib.states.device)
     ev.refs[SCREEN] = Reference(calib.blocks[:n], states, calib.top_idx[:n], calib.top_logp[:n], calib.stride, "screen")
     ev.memo = {k: v for k, v in ev.memo.items() if k[0] != SCREEN}
 

@@ -92,7 +92,8 @@ class _Group:
         self.deltas = {n: [p[n].detach() - b for p in params[1:]] for n, b in self.base.items()}
         self.kind = {n: KINDS.index(kind_of(n)) if kind_of(n) in KINDS else KINDS.index("mlp") for n in self.base}
         rows = [list(a) if per_kind else [a[0]] for a in alphas]
-        self.alphas = torch.tensor(rows, dtype=torch.float32, requires_grad=True)  # (k-1, K), K = 1 when shared
+        device = next(iter(self.base.values())).device
+        self.alphas = torch.tensor(rows, dtype=torch.float32, device=device, requires_grad=True)  # (k-1, K), K = 1 when shared
 
     def materialize(self) -> None:
         for n, b in self.base.items():
