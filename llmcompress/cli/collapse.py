@@ -72,8 +72,10 @@ def collapse_command(
             raise UserError("--resume needs the --out directory of the interrupted run", "pass --out DIR")
         out = Path("runs") / f"collapse-{time.strftime('%Y%m%d-%H%M%S')}"
 
+    from llmcompress.cli._errors import note_output
     from llmcompress.collapse.pipeline import run_collapse
 
+    note_output(out)
     result = run_collapse(cfg, out, overwrite=overwrite, resume=resume)
     typer.echo(f"wrote {result.out_dir}: {len(result.front)} solution(s) on the front, {len(result.saved)} checkpoint(s)")
     for path in result.saved:

@@ -82,6 +82,9 @@ def distill_command(
         raise UserError("--out is required", "e.g. --out distilled/")
     if os.environ.get("RANK", "0") == "0":  # fail fast, before torch loads (rank 0 only: it creates --out)
         check_out_dir(out, overwrite=overwrite, resume=resume)
+    from llmcompress.cli._errors import note_output
+
+    note_output(out)
     from llmcompress.distill.dist import from_env, shutdown
     from llmcompress.distill.engine import distill
     from llmcompress.runtime import resolve_device

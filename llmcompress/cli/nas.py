@@ -64,6 +64,9 @@ def nas_command(
     from llmcompress.io.atomic import check_out_dir
 
     check_out_dir(out, overwrite, resume)
+    from llmcompress.cli._errors import note_output
+
+    note_output(out)
     from llmcompress.nas.pipeline import run_nas
 
     run = run_nas(cfg, out, overwrite=overwrite, resume=resume)
