@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import ModelArg, OverwriteOpt, ResumeOpt
+from llmcompress.cli._options import AllowPickleOpt, ModelArg, OverwriteOpt, ResumeOpt
 
 
 class Method(str, enum.Enum):
@@ -38,6 +38,7 @@ def collapse_command(
     piqa_limit: Annotated[Optional[int], typer.Option("--piqa-limit", help="PIQA examples for the report (0 skips).")] = None,
     max_cache_gb: Annotated[Optional[float], typer.Option("--max-cache-gb", help="Memory for cached states; beyond it they go to disk.")] = None,
     resume: ResumeOpt = False,
+    allow_pickle: AllowPickleOpt = False,
     overwrite: OverwriteOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (default ./runs/collapse-<timestamp>).")] = None,
 ) -> None:

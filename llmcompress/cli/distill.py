@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import DeviceOpt, ModelArg, OverwriteOpt, ResumeOpt, SeedOpt
+from llmcompress.cli._options import AllowPickleOpt, DeviceOpt, ModelArg, OverwriteOpt, ResumeOpt, SeedOpt
 
 
 class ModeChoice(str, Enum):
@@ -68,6 +68,7 @@ def distill_command(
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
+    allow_pickle: AllowPickleOpt = False,
 ) -> None:
     """Distil a smaller student from TEACHER: layer-wise, easy-to-hard, from a cached teacher.
 

@@ -159,7 +159,27 @@ def validate_safetensors(path: Path) -> None:
         raise UserError(f"corrupt checkpoint file {path}: {exc}", "re-create or re-download the checkpoint") from None
 
 
-def _check_model_dir(path: Path) -> None:
+ALLOW_PICKLE_ENV = "LLMCOMPRESS_ALLOW_PICKLE"
+
+
+def pickle_allowed(allow_pickle: bool | None = None) -> bool:
+    """Whether pickle weights (pytorch_model.bin) may be loaded: the argument, else the CLI's --allow-pickle
+    (which sets LLMCOMPRESS_ALLOW_PICKLE=1, so torchrun ranks and library calls inside a command see it)."""
+    return os.environ.get(ALLOW_PICKLE_ENV) == "1" if allow_pickle is None else allow_pickle
+
+
+def _refuse_pickle_only(path: Path, allow_pickle: bool | None) -> None:
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt") and p.is_file())
+    if pickles and not list(path.glob("*.safetensors")) and not pickle_allowed(allow_pickle):
+        raise UserError(
+            f"this model has only pickle weights ({pickles[0]}) in {path}; llmcompress loads safetensors only, "
+            "since unpickling can run code",
+            "convert it to safetensors (load it where you trust it and save_pretrained(DIR), which writes "
+            "model.safetensors) or pass --allow-pickle (torch's weights_only loader: tensors only, no code)",
+        )
+
+
+def _check_model_dir(path: Path, allow_pickle: bool | None = None) -> None:
     if not (path / "config.json").is_file():
         raise ModelNotFound(
             f"{path} is not a model directory (no config.json)",
@@ -170,6 +190,7 @@ def _check_model_dir(path: Path) -> None:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"corrupt config.json in {path}: {exc}", "re-create the checkpoint") from None
     adapter_for_type(config.get("model_type", "unknown"))  # unsupported architecture -> UserError
+    _refuse_pickle_only(path, allow_pickle)
     weights = list(path.glob("*.safetensors"))
     if not weights and not list(path.glob("*.bin")) and not _is_zipped(path):
         raise ModelNotFound(f"{path} holds no weights (*.safetensors)", "point at a complete checkpoint directory")
@@ -185,7 +206,7 @@ def _looks_like_hub_id(spec: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", spec)) and not Path(spec).exists()
 
 
-def resolve(spec: str) -> tuple[str, Path | str]:
+def resolve(spec: str, allow_pickle: bool | None = None) -> tuple[str, Path | str]:
     """Classify a model spec: ("alias"|"dir"|"gguf"|"zipped"|"packed"|"hub", location). Raises UserError."""
     if spec in ALIASES:
         return "alias", spec
@@ -201,7 +222,7 @@ def resolve(spec: str) -> tuple[str, Path | str]:
             return "zipped", path
         if (path / "packed.json").is_file():
             return "packed", path
-        _check_model_dir(path)
+        _check_model_dir(path, allow_pickle)
         return "dir", path
     if _looks_like_hub_id(spec):
         return "hub", spec
@@ -217,6 +238,7 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
+    allow_pickle: bool | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, in eval mode.
 
@@ -227,12 +249,15 @@ def load_model(
         dtype: torch dtype of the weights (float32 by default).
         device: where to put the model.
         trust_remote_code: passed to transformers; off unless asked.
+        allow_pickle: load pickle weights (pytorch_model.bin) when a directory has no safetensors, with
+            torch's weights_only loader. None: the CLI's --allow-pickle (see `pickle_allowed`).
     """
     import torch
 
     quiet_transformers()
     dtype = dtype or torch.float32
-    kind, where = resolve(spec)
+    kind, where = resolve(spec, allow_pickle)
+    allow_pickle = pickle_allowed(allow_pickle)
     source_hash = ""
     manifest: dict = {}
     t0 = time.perf_counter()
@@ -242,7 +267,7 @@ def load_model(
         if not (cached / "config.json").is_file():
             _convert_gguf(gguf, cached)
         source_hash = json.loads((cached / "source.json").read_text())["sha256"]
-        model, tok = _from_dir(cached, dtype, trust_remote_code)
+        model, tok = _from_dir(cached, dtype, trust_remote_code, False)
     elif kind == "zipped":
         from llmcompress.lossless.container import load_zipped_model
 
@@ -254,10 +279,10 @@ def load_model(
         model, tok = load_packed(Path(where), dtype=dtype)
         manifest = _read_manifest(Path(where))
     elif kind == "dir":
-        model, tok = _from_dir(Path(where), dtype, trust_remote_code)
+        model, tok = _from_dir(Path(where), dtype, trust_remote_code, allow_pickle)
         manifest = _read_manifest(Path(where))
     else:
-        model, tok = _from_hub(str(where), dtype, trust_remote_code)
+        model, tok = _from_hub(str(where), dtype, trust_remote_code, allow_pickle)
     _drop_quantization_config(model)
     model.to(device).eval()
     if tok is not None and tok.pad_token is None:
@@ -272,11 +297,22 @@ def _read_manifest(path: Path) -> dict:
     return json.loads(m.read_text()) if m.is_file() else {}
 
 
-def _from_dir(path: Path, dtype, trust_remote_code: bool):
+def _weights_kwargs(allow_pickle: bool) -> dict:
+    """safetensors only, unless pickle weights are allowed: then torch's weights_only loader (no code runs)."""
+    return {"use_safetensors": None, "weights_only": True} if allow_pickle else {"use_safetensors": True, "weights_only": True}
+
+
+def _from_dir(path: Path, dtype, trust_remote_code: bool, allow_pickle: bool = False):
+    import pickle
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust_remote_code,
+                                                     **_weights_kwargs(allow_pickle))
+    except pickle.UnpicklingError as exc:
+        raise UserError(f"refused to unpickle the weights in {path}: {str(exc).splitlines()[0][:160]}",
+                        "the file holds more than tensors: get a safetensors copy of this model") from None
     except (OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"could not load the model in {path}: {str(exc).splitlines()[0]}", "check the checkpoint is complete") from None
     try:
@@ -286,11 +322,12 @@ def _from_dir(path: Path, dtype, trust_remote_code: bool):
     return model, tok
 
 
-def _from_hub(repo: str, dtype, trust_remote_code: bool):
+def _from_hub(repo: str, dtype, trust_remote_code: bool, allow_pickle: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(repo, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(repo, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                     **_weights_kwargs(allow_pickle))
         tok = AutoTokenizer.from_pretrained(repo, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ModelNotFound(
