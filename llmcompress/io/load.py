@@ -140,6 +140,16 @@ def _gguf_cache(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{key}"
 
 
+def converted_alias_dir(name: str) -> Path | None:
+    """The cached safetensors conversion of the alias `name` (None when it is not converted yet, or its
+    package is not installed). `load_model(name)` converts it."""
+    try:
+        cached = _gguf_cache(alias_gguf_path(ALIASES[name]))
+    except ModelNotFound:
+        return None
+    return cached if (cached / "config.json").is_file() else None
+
+
 def validate_safetensors(path: Path) -> None:
     """Raise UserError if a .safetensors file is truncated or its header is corrupt (cheap: header only)."""
     size = path.stat().st_size
