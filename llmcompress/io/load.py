@@ -97,6 +97,42 @@ def alias_gguf_path(alias: Alias) -> Path:
     return path
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_header(path: Path) -> None:
+    """Cheap checks of a .gguf file (no parsing): not empty, GGUF magic, a known version. Raises UserError."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if not head:
+        raise UserError(f"{path} is empty", "re-download the GGUF file")
+    if head[:4] != GGUF_MAGIC:
+        raise UserError(f"{path} is not a GGUF file (it does not start with 'GGUF')", "pass a .gguf model file, a model directory or an alias")
+    if len(head) < 8 or int.from_bytes(head[4:8], "little") not in (1, 2, 3):
+        raise UserError(f"corrupt GGUF header in {path} (unknown version)", "re-download the GGUF file")
+
+
+def diagnose_gguf(path: Path) -> str | None:
+    """What is wrong with a GGUF file that failed to load (parsing it fully: slow, so only after a failure),
+    or None when it parses and every tensor lies inside the file."""
+    try:
+        check_gguf_header(path)
+    except UserError as exc:
+        return exc.message
+    try:
+        import gguf as gguf_lib
+
+        reader = gguf_lib.GGUFReader(str(path))
+        size = path.stat().st_size
+        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    except Exception as exc:  # noqa: BLE001 - the reader fails in many ways on a damaged file
+        text = str(exc).splitlines()[0][:100] if str(exc) else type(exc).__name__
+        return f"corrupt or truncated GGUF file {path} ({text})"
+    if end > size:
+        return f"truncated GGUF file {path}: {size} bytes on disk, {end} expected"
+    return None
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF to a float safetensors checkpoint (with tokenizer) at `out`, atomically."""
     import torch
@@ -105,10 +141,17 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from llmcompress.io.atomic import atomic_dir
     from llmcompress.progress import bar
 
+    check_gguf_header(gguf)
     with bar(f"converting {gguf.name} (once; cached)", total=3) as b:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        b.advance()
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            b.advance()
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        except (UserError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 - transformers' GGUF loader raises ValueError, IndexError, KeyError, ...
+            problem = diagnose_gguf(gguf) or f"cannot load the GGUF file {gguf}: {str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__}"
+            raise UserError(problem, "re-download the GGUF file (or pass a Hugging Face model directory)") from None
         b.advance()
         _drop_quantization_config(model)
         with atomic_dir(out, overwrite=True) as tmp:
@@ -150,7 +193,7 @@ def converted_alias_dir(name: str) -> Path | None:
     return cached if (cached / "config.json").is_file() else None
 
 
-def validate_safetensors(path: Path) -> None:
+def validate_safetensors(path: Path, hint: str = "re-create or re-download the checkpoint") -> None:
     """Raise UserError if a .safetensors file is truncated or its header is corrupt (cheap: header only)."""
     size = path.stat().st_size
     try:
@@ -162,11 +205,53 @@ def validate_safetensors(path: Path) -> None:
             if n <= 0 or n > min(size - 8, 100_000_000):
                 raise ValueError("header length out of range")
             header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
         if 8 + n + end > size:
             raise ValueError(f"truncated: {size} bytes on disk, {8 + n + end} expected")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise UserError(f"corrupt checkpoint file {path}: {exc}", "re-create or re-download the checkpoint") from None
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, UnicodeDecodeError) as exc:
+        raise UserError(f"corrupt checkpoint file {path}: {exc}", hint) from None
+
+
+def _cache_problem(cached: Path) -> str | None:
+    """Why a cached GGUF conversion cannot be used (None: it looks complete). Header checks only."""
+    try:
+        json.loads((cached / "config.json").read_text())
+        if "sha256" not in json.loads((cached / "source.json").read_text()):
+            return "source.json has no sha256"
+        weights = list(cached.glob("*.safetensors"))
+        if not weights:
+            return "no *.safetensors"
+        for w in weights:
+            validate_safetensors(w)
+    except UserError as exc:
+        return exc.message
+    except (OSError, ValueError, TypeError, UnicodeDecodeError) as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
+    return None
+
+
+def converted_gguf_dir(gguf: Path) -> Path:
+    """The safetensors conversion of `gguf` in the model cache, converting it on first use. A cached
+    conversion that is damaged (a truncated or malformed file, say after a full disk) is removed and rebuilt,
+    with a notice on stderr; if it cannot be removed, the error names the folder to delete."""
+    import shutil
+    import sys
+
+    cached = _gguf_cache(gguf)
+    if (cached / "config.json").is_file():
+        problem = _cache_problem(cached)
+        if problem is None:
+            return cached
+        print(f"notice: the cached conversion {cached} is damaged ({problem}); rebuilding it", file=sys.stderr)
+        try:
+            shutil.rmtree(cached)
+        except OSError as exc:
+            raise UserError(f"the cached conversion {cached} is damaged ({problem}) and cannot be removed ({exc.strerror})",
+                            f"delete {cached} and rerun: it is rebuilt from {gguf.name}") from None
+    _convert_gguf(gguf, cached)
+    return cached
 
 
 ALLOW_PICKLE_ENV = "LLMCOMPRESS_ALLOW_PICKLE"
@@ -213,7 +298,9 @@ def _is_zipped(path: Path) -> bool:
 
 
 def _looks_like_hub_id(spec: str) -> bool:
-    return bool(re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", spec)) and not Path(spec).exists()
+    """ORG/NAME that is not a local path: 'runs/student' with a local runs/ folder is a missing path."""
+    path = Path(spec).expanduser()
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", spec)) and not path.exists() and not path.parent.is_dir()
 
 
 def resolve(spec: str, allow_pickle: bool | None = None) -> tuple[str, Path | str]:
@@ -226,6 +313,7 @@ def resolve(spec: str, allow_pickle: bool | None = None) -> tuple[str, Path | st
             raise ModelNotFound(f"{path} is not readable", "fix its permissions")
         if path.is_file():
             if path.suffix == ".gguf":
+                check_gguf_header(path)
                 return "gguf", path
             raise ModelNotFound(f"{path} is a file, not a model", "pass a model directory, a .gguf file or an alias")
         if _is_zipped(path):
@@ -236,6 +324,12 @@ def resolve(spec: str, allow_pickle: bool | None = None) -> tuple[str, Path | st
         return "dir", path
     if _looks_like_hub_id(spec):
         return "hub", spec
+    if "/" in spec or os.sep in spec or spec.startswith((".", "~")) or path.suffix in (".gguf", ".safetensors"):
+        missing = next((p for p in reversed([path, *path.parents]) if not p.exists()), path)
+        raise ModelNotFound(
+            f"model {spec!r} not found: {path} does not exist" + (f" (there is no {missing})" if missing != path else ""),
+            "check the path, or pass an alias such as smollm2-135m",
+        )
     raise ModelNotFound(
         f"model {spec!r} not found",
         f"pass a local model directory, a .gguf file, a hub id, or an alias ({', '.join(ALIASES)})",
@@ -273,9 +367,7 @@ def load_model(
     t0 = time.perf_counter()
     if kind in ("alias", "gguf"):
         gguf = alias_gguf_path(ALIASES[where]) if kind == "alias" else Path(where)
-        cached = _gguf_cache(gguf)
-        if not (cached / "config.json").is_file():
-            _convert_gguf(gguf, cached)
+        cached = converted_gguf_dir(gguf)
         source_hash = json.loads((cached / "source.json").read_text())["sha256"]
         model, tok = _from_dir(cached, dtype, trust_remote_code, False)
     elif kind == "zipped":
@@ -341,7 +433,7 @@ def _from_hub(repo: str, dtype, trust_remote_code: bool, allow_pickle: bool = Fa
         tok = AutoTokenizer.from_pretrained(repo, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ModelNotFound(
-            f"could not fetch {repo!r} from the hub ({str(exc).splitlines()[0][:120]})",
-            "check the id and the network, or pass a local directory",
+            f"{repo!r} is no local path and could not be fetched from the hub ({str(exc).splitlines()[0][:120]})",
+            "check the path, or the hub id and the network",
         ) from None
     return model, tok
