@@ -319,6 +319,8 @@ def resolve(spec: str, allow_pickle: bool | None = None) -> tuple[str, Path | st
         if _is_zipped(path):
             return "zipped", path
         if (path / "packed.json").is_file():
+            for w in path.glob("*.safetensors"):
+                validate_safetensors(w)
             return "packed", path
         _check_model_dir(path, allow_pickle)
         return "dir", path
