@@ -92,7 +92,7 @@ def main() -> None:
     mods = dict(model.named_modules())
     wpath = a.work / f"gptq_{'-'.join(map(str, bits))}.pt"
     if wpath.exists():
-        wq = torch.load(wpath)
+        wq = torch.load(wpath, weights_only=True)
     else:
         H = input_hessians(model, fqns, blocks[: cfg.gptq_blocks])
         wq = {}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 
@@ -71,10 +70,11 @@ def test_target_not_below_depth_and_existing_out(tmp_path, tiny_hf_dir):
 def test_resume_for_another_model_is_refused(tmp_path, tiny_hf_dir, tiny_spec):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "search_state.pkl").write_bytes(pickle.dumps({"model": "someone-else", "fingerprint": "0", "algorithm": None}))
-    before = (out / "search_state.pkl").read_bytes()
+    state = {"format": "llmcompress-collapse-search-1", "model": "someone-else", "fingerprint": "0"}
+    (out / "search_state.json").write_text(json.dumps(state))
+    before = (out / "search_state.json").read_bytes()
     _one_line_error(cli(tiny_hf_dir, "--spec", tiny_spec, "--resume", "--out", out), "another model or config")
-    assert (out / "search_state.pkl").read_bytes() == before
+    assert (out / "search_state.json").read_bytes() == before
 
 
 def test_tiny_pareto_run_writes_everything(tmp_path, tiny_hf_dir, tiny_spec):

@@ -146,10 +146,10 @@ def _run_single(tmp, stop_after=None, resume=False, ev=None):
 
 
 def test_single_objective_search_checkpoints_and_resumes(tmp_path, ev):
-    """--target-layers uses pymoo's GA: its state must pickle each generation, and a resumed run must
+    """--target-layers uses pymoo's GA: its state must be saved each generation, and a resumed run must
     end where an uninterrupted one does (the GA's default tournament could not be pickled)."""
     full = _run_single(tmp_path / "full", ev=ev)
-    assert [g.gen for g in full] == [0, 1, 2] and (tmp_path / "full" / "search_state.pkl").is_file()
+    assert [g.gen for g in full] == [0, 1, 2] and (tmp_path / "full" / "search_state.json").is_file()
     assert all(c.n_layers == 5 for g in full for c, _, _ in g.front)
     best = [min(f.fitness for _, f, _ in g.front) for g in full]
     assert best == sorted(best, reverse=True)  # elitist: the best fitness never gets worse

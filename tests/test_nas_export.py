@@ -138,12 +138,12 @@ def test_resume_continues_from_checkpoint(tmp_path):
     (tmp_path / "b").mkdir()
     short = dataclasses.replace(cfg, train_tokens=256)
     search_joint(model, space, costs, short, IDS, tmp_path / "b", False)
-    state = torch.load(tmp_path / "b" / "search_state_joint.pt", weights_only=False)
+    state = torch.load(tmp_path / "b" / "search_state_joint.pt", weights_only=True)
     state["fingerprint"] = cfg.fingerprint()
     torch.save(state, tmp_path / "b" / "search_state_joint.pt")
     resumed = search_joint(model, space, costs, cfg, IDS, tmp_path / "b", True)
     # tau schedules differ between a 2-step and a 4-step run, so compare structure, not values
-    assert torch.load(tmp_path / "b" / "search_state_joint.pt", weights_only=False)["step"] == 4
+    assert torch.load(tmp_path / "b" / "search_state_joint.pt", weights_only=True)["step"] == 4
     assert resumed.logits["bits"].shape == full.logits["bits"].shape
 
 

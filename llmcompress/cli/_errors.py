@@ -1,38 +1,73 @@
-"""Turn typed errors into one line and exit code 2 (full traceback only with --debug)."""
+"""Turn typed errors into one line and exit code 2 (full traceback only with --debug), and interrupts
+(Ctrl-C, SIGTERM) into exit code 130 with one line saying what was kept and how to continue."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+from pathlib import Path
+
+INTERRUPTED = 130  # 128 + SIGINT, for Ctrl-C and SIGTERM alike: never 0, so a scheduler sees the failure
+RESUMABLE = ("collapse", "distill", "nas")  # the commands with --resume
+
+_run: dict = {"out": None, "signal": None}
+
+
+def note_output(out: Path) -> None:
+    """A resumable command names its output directory once it is decided, for the interrupt message."""
+    _run["out"] = Path(out)
 
 
 def _debug(argv: list[str]) -> bool:
     return "--debug" in argv or os.environ.get("LLMCOMPRESS_DEBUG") == "1"
 
 
+def _command(argv: list[str]) -> str:
+    return next((a for a in argv if not a.startswith("-")), "")
+
+
+def interrupt_line(argv: list[str]) -> str:
+    """One line: which signal, what is kept on disk, and whether `--resume` continues."""
+    cmd = _command(argv)
+    how = "interrupted (SIGTERM)" if _run["signal"] == signal.SIGTERM else "interrupted"
+    if cmd in RESUMABLE:
+        out = _run["out"]
+        if out is None:
+            return f"{how}: {cmd} stopped before writing anything; rerun it to start again"
+        return (f"{how}: the steps {cmd} finished are kept in {out}; rerun the same command with --resume "
+                f"(same --out {out}) to continue")
+    what = {"eval": "its report", "zip": "the zipped checkpoint", "unzip": "the restored files"}.get(cmd)
+    if what is None:
+        return f"{how}: nothing was written"
+    return f"{how}: nothing was kept ({cmd} writes {what} only when it finishes); {cmd} has no --resume: rerun it to start again"
+
+
 def run_app(app, argv: list[str] | None = None) -> int:
     from llmcompress.errors import UserError
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    _run.update(out=None, signal=None)
     previous = _sigterm_interrupts()
     try:
-        app(args=argv, prog_name="llmcompress", standalone_mode=False)
-        return 0
+        code = app(args=argv, prog_name="llmcompress", standalone_mode=False)
+        # typer turns KeyboardInterrupt into Exit(130) and, without standalone mode, returns that code
+        if code == INTERRUPTED:
+            return _interrupted(argv)
+        return code if isinstance(code, int) else 0
     except UserError as exc:
         if _debug(argv):
             raise
         print(f"error: {exc.one_line()}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("interrupted: outputs written so far are complete; rerun with --resume to continue", file=sys.stderr)
-        return 130
+        return _interrupted(argv)
     except Exception as exc:  # click usage errors and friends (typer may vendor its own click)
         name = type(exc).__name__
         if name == "Exit" and hasattr(exc, "exit_code"):
-            return exc.exit_code
+            return _interrupted(argv) if exc.exit_code == INTERRUPTED else exc.exit_code
         if name == "Abort":
-            return 130
+            return _interrupted(argv)
         if name == "NoArgsIsHelpError":
             print(exc.format_message())
             return 2
@@ -49,13 +84,19 @@ def run_app(app, argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _interrupted(argv: list[str]) -> int:
+    print(interrupt_line(argv), file=sys.stderr)
+    return INTERRUPTED
+
+
 def _raise_interrupt(signum, frame):
+    _run["signal"] = signum
     raise KeyboardInterrupt
 
 
 def _sigterm_interrupts():
     """SIGTERM (kill, a scheduler's time limit) unwinds like Ctrl-C, so cleanup runs (spilled caches, temp
-    files) and the same resume message is printed. Returns the previous handler (None off the main thread)."""
+    files) and the same interrupt line is printed. Returns the previous handler (None off the main thread)."""
     try:
         return signal.signal(signal.SIGTERM, _raise_interrupt)
     except ValueError:  # not the main thread of the main interpreter

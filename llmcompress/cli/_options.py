@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -15,3 +16,14 @@ OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an exis
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --out.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the checkpoint (off by default).")]
+
+
+def _allow_pickle(value: bool) -> bool:
+    if value:  # read by llmcompress.io.load.pickle_allowed, also in torchrun ranks and nested loads
+        os.environ["LLMCOMPRESS_ALLOW_PICKLE"] = "1"
+    return value
+
+
+AllowPickleOpt = Annotated[bool, typer.Option(
+    "--allow-pickle", callback=_allow_pickle,
+    help="Load a model that has only pickle weights (pytorch_model.bin), with torch's weights_only loader.")]

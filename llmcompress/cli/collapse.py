@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import DeviceOpt, ModelArg, OverwriteOpt, ResumeOpt
+from llmcompress.cli._options import AllowPickleOpt, DeviceOpt, ModelArg, OverwriteOpt, ResumeOpt
 
 
 class Method(str, enum.Enum):
@@ -39,6 +39,7 @@ def collapse_command(
     max_cache_gb: Annotated[Optional[float], typer.Option("--max-cache-gb", help="Memory for cached states; beyond it they go to disk.")] = None,
     device: DeviceOpt = "auto",
     resume: ResumeOpt = False,
+    allow_pickle: AllowPickleOpt = False,
     overwrite: OverwriteOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (default ./runs/collapse-<timestamp>).")] = None,
 ) -> None:
@@ -73,8 +74,10 @@ def collapse_command(
             raise UserError("--resume needs the --out directory of the interrupted run", "pass --out DIR")
         out = Path("runs") / f"collapse-{time.strftime('%Y%m%d-%H%M%S')}"
 
+    from llmcompress.cli._errors import note_output
     from llmcompress.collapse.pipeline import run_collapse
 
+    note_output(out)
     result = run_collapse(cfg, out, overwrite=overwrite, resume=resume, device=device)
     typer.echo(f"wrote {result.out_dir}: {len(result.front)} solution(s) on the front, {len(result.saved)} checkpoint(s)")
     for path in result.saved:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import DeviceOpt, ModelArg, OverwriteOpt, ResumeOpt, SeedOpt
+from llmcompress.cli._options import AllowPickleOpt, DeviceOpt, ModelArg, OverwriteOpt, ResumeOpt, SeedOpt
 
 
 class ModeChoice(str, Enum):
@@ -68,6 +68,7 @@ def distill_command(
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
+    allow_pickle: AllowPickleOpt = False,
 ) -> None:
     """Distil a smaller student from TEACHER: layer-wise, easy-to-hard, from a cached teacher.
 
@@ -82,6 +83,9 @@ def distill_command(
         raise UserError("--out is required", "e.g. --out distilled/")
     if os.environ.get("RANK", "0") == "0":  # fail fast, before torch loads (rank 0 only: it creates --out)
         check_out_dir(out, overwrite=overwrite, resume=resume)
+    from llmcompress.cli._errors import note_output
+
+    note_output(out)
     from llmcompress.distill.dist import from_env, shutdown
     from llmcompress.distill.engine import distill
     from llmcompress.runtime import resolve_device

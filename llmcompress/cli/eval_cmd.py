@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import DeviceOpt, DtypeOpt, OverwriteOpt, TrustOpt
+from llmcompress.cli._options import AllowPickleOpt, DeviceOpt, DtypeOpt, OverwriteOpt, TrustOpt
 
 
 def eval_command(
@@ -27,6 +27,7 @@ def eval_command(
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
+    allow_pickle: AllowPickleOpt = False,
 ) -> None:
     """Evaluate models: perplexity, lm-evaluation-harness tasks, size and speed, in one table."""
     from llmcompress.errors import UserError

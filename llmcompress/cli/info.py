@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from llmcompress.cli._options import DtypeOpt, ModelArg, TrustOpt
+from llmcompress.cli._options import AllowPickleOpt, DtypeOpt, ModelArg, TrustOpt
 
 
 def info_command(
@@ -14,6 +14,7 @@ def info_command(
     dtype: DtypeOpt = "float32",
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     trust_remote_code: TrustOpt = False,
+    allow_pickle: AllowPickleOpt = False,
 ) -> None:
     """Show an architecture summary: family, layers, hidden size, heads, KV heads, parameters, dtype."""
     from llmcompress.io.load import load_model

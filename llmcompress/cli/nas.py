@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import ModelArg, OverwriteOpt, ResumeOpt
+from llmcompress.cli._options import AllowPickleOpt, ModelArg, OverwriteOpt, ResumeOpt
 
 
 class Mode(str, enum.Enum):
@@ -42,6 +42,7 @@ def nas_command(
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed.")] = None,
     spec: Annotated[Optional[Path], typer.Option("--spec", help="YAML search spec (CLI flags override its fields).")] = None,
     resume: ResumeOpt = False,
+    allow_pickle: AllowPickleOpt = False,
     overwrite: OverwriteOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (refused if it exists, unless --overwrite/--resume).")] = None,
 ) -> None:
@@ -64,6 +65,9 @@ def nas_command(
     from llmcompress.io.atomic import check_out_dir
 
     check_out_dir(out, overwrite, resume)
+    from llmcompress.cli._errors import note_output
+
+    note_output(out)
     from llmcompress.nas.pipeline import run_nas
 
     run = run_nas(cfg, out, overwrite=overwrite, resume=resume)

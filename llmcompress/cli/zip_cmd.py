@@ -24,19 +24,19 @@ def _threads(n: int) -> int:
 
 
 def _resolve_ckpt(spec: str) -> Path:
-    """A checkpoint directory; an alias resolves to its converted cache directory when it exists."""
+    """A checkpoint directory; an alias resolves to its converted cache directory."""
     p = Path(spec).expanduser()
     if p.exists():
         return p
-    try:
-        from llmcompress.io import load
+    from llmcompress.io import load
 
-        if spec in load.ALIASES:
-            cached = load._gguf_cache(load.alias_gguf_path(load.ALIASES[spec]))
-            if (cached / "config.json").is_file():
-                return cached
-    except Exception:  # noqa: BLE001 - fall through to the plain "does not exist" error
-        pass
+    if spec in load.ALIASES:
+        cached = load.converted_alias_dir(spec)
+        if cached is None:
+            from llmcompress.errors import UserError
+
+            raise UserError(f"{spec} has not been converted to safetensors yet", f"run `llmcompress info {spec}` once, then zip it")
+        return cached
     return p
 
 

@@ -86,7 +86,7 @@ class StateStore:
                 path = self._dir / f"b{i}.pt"
                 torch.save(s.cpu().contiguous(), self._dir / f".b{i}.tmp")
                 (self._dir / f".b{i}.tmp").replace(path)
-                self._states.append(torch.load(path, mmap=True))
+                self._states.append(torch.load(path, mmap=True, weights_only=True))
         else:
             self._states = states
         self.nbytes = total

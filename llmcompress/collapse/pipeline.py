@@ -108,7 +108,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
     if resume:
         load_state(out_dir, cfg, cfg.model)  # wrong model/config: one-line error before any work
     elif overwrite and out_dir.exists():
-        for stale in ("search_state.pkl", "search_log.jsonl", "refine_state.json", "tune_state.json"):
+        for stale in ("search_state.json", "search_state.pkl", "search_log.jsonl", "refine_state.json", "tune_state.json"):
             (out_dir / stale).unlink(missing_ok=True)
     seed_everything(cfg.seed)
     out_dir.mkdir(parents=True, exist_ok=True)

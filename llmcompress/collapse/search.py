@@ -1,13 +1,20 @@
 """Drive the search with pymoo (GA for one layer budget, NSGA-II for a Pareto front), with atomic resume.
 
 The pymoo Problem is thin: it decodes genomes and asks the Evaluator (which lives outside it). After every
-generation the whole algorithm object (population, archive of optima, numpy RNG) is pickled with
-temp+rename, so `--resume` continues from the last finished generation and ends on the same front.
+generation the algorithm's state is written as JSON with temp+rename (`search_state.json`): the run's
+fingerprint, the generation counters, the population (genomes, objectives and the per-individual data the
+survival computed: NSGA-II's rank and crowding) and the numpy RNG state. `--resume` checks the fingerprint
+first, then rebuilds a fresh pymoo algorithm from that population, so it continues from the last finished
+generation and ends on the same front. Nothing is pickled: an output directory is shared, copied and
+downloaded, and resuming one must never run code from it (pymoo has no serialisation of its own besides
+pickle, hence this small hand-written one).
 """
 
 from __future__ import annotations
 
-import pickle
+import json
+import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +33,9 @@ from llmcompress.collapse.space import (
 )
 from llmcompress.errors import UserError
 
-STATE_FILE = "search_state.pkl"
+STATE_FILE = "search_state.json"
+LEGACY_STATE_FILE = "search_state.pkl"  # written by llmcompress before 0.x: never read (pickle runs code)
+STATE_FORMAT = "llmcompress-collapse-search-1"
 LOG_FILE = "search_log.jsonl"
 HV_REF_FITNESS = 3.0  # hypervolume reference point: (all layers, fitness 3.0 nats)
 
@@ -45,11 +54,6 @@ class CollapseProblem(Problem):
             fit = self.evaluator.evaluate(cand)
             rows.append([cand.n_layers, fit.fitness] if self.pareto else [fit.fitness])
         out["F"] = np.array(rows, dtype=float)
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["evaluator"] = None  # the evaluator holds the model and caches: rebuilt on resume
-        return state
 
 
 def make_space(cfg: CollapseConfig, n_layers: int, seeds: list[Candidate] | None = None) -> Space:
@@ -75,8 +79,7 @@ def tournament_by_fitness(pop, P, random_state=None, **kwargs):
     """Binary tournament of the single-objective GA: the lower fitness wins, ties at random.
 
     The same rule as pymoo's own `comp_by_cv_and_fitness` (the collapse problem has no constraints, so
-    its CV branch never applies), but a plain module-level function: pymoo's is wrapped by a decorator
-    that pickle cannot store, which broke the per-generation checkpoint of `--target-layers` runs.
+    its CV branch never applies), but a plain module-level function (pymoo's is wrapped by a decorator).
     """
     from pymoo.operators.selection.tournament import compare
 
@@ -147,28 +150,88 @@ def current_front(algo, space: Space, evaluator: Evaluator, pareto: bool) -> lis
     return out if pareto else out[:1]
 
 
-def _atomic_pickle(path: Path, obj) -> None:
-    from llmcompress.io.atomic import write_bytes
+def _number(v):
+    """A JSON-safe scalar (numpy scalars to Python; infinities and NaN as strings, which json rejects)."""
+    v = v.item() if hasattr(v, "item") else v
+    if isinstance(v, float) and not math.isfinite(v):
+        return repr(v)
+    return v
 
-    write_bytes(path, pickle.dumps(obj))
+
+def _unnumber(v):
+    return float(v) if v in ("inf", "-inf", "nan") else v
 
 
-def load_state(out_dir: Path, cfg: CollapseConfig, model_id: str):
-    """The pickled algorithm of an interrupted run, after checking it was made for this model and config."""
+def state_dict(algo, model_id: str, cfg: CollapseConfig, gen: int) -> dict:
+    """Everything `--resume` needs of a pymoo GA/NSGA-II after a finished generation, as plain JSON."""
+    pop = algo.pop
+    return {
+        "format": STATE_FORMAT,
+        "model": model_id,
+        "fingerprint": cfg.fingerprint(),
+        "gen": gen,
+        "algorithm": type(algo).__name__,
+        "n_iter": int(algo.n_iter),
+        "n_eval": int(algo.evaluator.n_eval),
+        "rng": algo.random_state.bit_generator.state,
+        "X": pop.get("X").astype(int).tolist(),
+        "F": [[_number(v) for v in row] for row in pop.get("F")],
+        "data": [{k: _number(v) for k, v in ind.data.items()} for ind in pop],
+    }
+
+
+def load_state(out_dir: Path, cfg: CollapseConfig, model_id: str) -> dict | None:
+    """The JSON state of an interrupted run, after checking it was made for this model and config (the
+    fingerprint is checked before any other field is used). None when there is none."""
     path = Path(out_dir) / STATE_FILE
     if not path.is_file():
+        legacy = Path(out_dir) / LEGACY_STATE_FILE
+        if legacy.is_file():
+            raise UserError(
+                f"{legacy} is a pickled search state, which llmcompress no longer reads (unpickling can run code)",
+                "start the search afresh with --overwrite",
+            )
         return None
     try:
-        with open(path, "rb") as f:
-            state = pickle.load(f)
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
-        raise UserError(f"cannot read the search state in {path}: {exc}", "start afresh with --overwrite") from None
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError("not an llmcompress search state")
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read the search state {path}: {str(exc).splitlines()[0][:120]}", "start afresh with --overwrite") from None
     if state.get("model") != model_id or state.get("fingerprint") != cfg.fingerprint():
         raise UserError(
             f"{out_dir} holds a search for another model or config ({state.get('model')})",
             "resume with the same model and settings, or choose another --out",
         )
     return state
+
+
+def restore_algorithm(state: dict, algo, path: Path) -> None:
+    """Put a set-up (never run) pymoo algorithm where the saved one was after its last generation."""
+    from pymoo.core.population import Population
+
+    try:
+        if state["algorithm"] != type(algo).__name__:
+            raise ValueError(f"state of a {state['algorithm']} run")
+        X = np.asarray(state["X"], dtype=np.int64)
+        F = np.asarray([[_unnumber(v) for v in row] for row in state["F"]], dtype=float)
+        data = state["data"]
+        if X.ndim != 2 or X.shape[1] != algo.problem.n_var or len(F) != len(X) or len(data) != len(X):
+            raise ValueError("population of the wrong shape")
+        pop = Population.new("X", X)
+        pop.set("F", F)
+        for ind, d in zip(pop, data):
+            ind.data.update({k: _unnumber(v) for k, v in d.items()})
+            ind.evaluated.update({"F", "G", "H"})
+        algo.random_state.bit_generator.state = state["rng"]
+        algo.pop = pop
+        algo.n_iter = int(state["n_iter"])
+        algo.evaluator.n_eval = int(state["n_eval"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"corrupt search state {path}: {exc}", "start afresh with --overwrite") from None
+    algo.is_initialized = True
+    algo.start_time = time.time()  # pymoo's result() reads it when the run ends
+    algo._set_optimum()
 
 
 def truncate_log(path: Path, last_gen: int) -> None:
@@ -202,22 +265,20 @@ def run_search(
     """
     from pymoo.termination.max_gen import MaximumGenerationTermination
 
-    from llmcompress.io.atomic import append_jsonl
+    from llmcompress.io.atomic import append_jsonl, write_json
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     space = make_space(cfg, evaluator.n_layers, seeds)
     state = load_state(out_dir, cfg, model_id) if resume else None
+    algo = make_algorithm(cfg, space, [space.encode(s) for s in seeds])
+    problem = CollapseProblem(space, evaluator, cfg.pareto)
+    algo.setup(problem, termination=MaximumGenerationTermination(cfg.generations + 1), seed=cfg.seed, verbose=False)
     if state is not None:
-        algo = state["algorithm"]
-        algo.problem.evaluator = evaluator
-        algo.termination = MaximumGenerationTermination(cfg.generations + 1)
+        restore_algorithm(state, algo, out_dir / STATE_FILE)
         truncate_log(out_dir / LOG_FILE, algo.n_gen - 2)
     else:
         (out_dir / LOG_FILE).unlink(missing_ok=True)
-        algo = make_algorithm(cfg, space, [space.encode(s) for s in seeds])
-        problem = CollapseProblem(space, evaluator, cfg.pareto)
-        algo.setup(problem, termination=("n_gen", cfg.generations + 1), seed=cfg.seed, verbose=False)
     history = []
     while algo.has_next():
         algo.next()
@@ -240,7 +301,7 @@ def run_search(
             ],
         }
         append_jsonl(out_dir / LOG_FILE, record)
-        _atomic_pickle(out_dir / STATE_FILE, {"algorithm": algo, "model": model_id, "fingerprint": cfg.fingerprint(), "gen": gen})
+        write_json(out_dir / STATE_FILE, state_dict(algo, model_id, cfg, gen))
         g = Generation(gen, front, record)
         history.append(g)
         if on_generation is not None:
@@ -248,12 +309,6 @@ def run_search(
         if stop_after is not None and gen >= stop_after:
             break
     return history
-
-
-def final_front(algo_state_dir: Path):
-    """The final population's decoded optima from a saved state (for inspection)."""
-    with open(Path(algo_state_dir) / STATE_FILE, "rb") as f:
-        return pickle.load(f)["algorithm"].opt
 
 
 def select_by_validation(evaluator: Evaluator, lo: int, hi: int, top: int = 2) -> list[tuple[Candidate, Fitness, Fitness]]:

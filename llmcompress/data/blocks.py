@@ -114,7 +114,7 @@ def self_text_blocks(model, tokenizer, seq_len: int, n_blocks: int, seed: int, b
     fp = hashlib.sha256(first.detach().float().cpu().numpy().tobytes()[:1 << 20]).hexdigest()[:12]
     path = cache_dir() / "self-data" / f"{fp}-{seq_len}-{n_blocks}-{seed}-b{batch}.pt"
     if path.is_file():
-        return torch.load(path)
+        return torch.load(path, weights_only=True)
     parts = path.with_suffix(".parts")
     parts.mkdir(parents=True, exist_ok=True)
     prompts = torch.randint(0, len(tokenizer), (n_blocks, 1), generator=torch.Generator().manual_seed(seed))
@@ -123,7 +123,7 @@ def self_text_blocks(model, tokenizer, seq_len: int, n_blocks: int, seed: int, b
         b = min(batch, n_blocks - start)
         part = parts / f"{start}-{b}.pt"
         if part.is_file():
-            out.append(torch.load(part))
+            out.append(torch.load(part, weights_only=True))
             continue
         torch.manual_seed(seed + start)
         with torch.no_grad():

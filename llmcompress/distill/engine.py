@@ -518,7 +518,7 @@ def _layerwise(run: _Run, lm, keep: list[int] | None, blocks, metrics: dict):
             run.state["e2e_done"] = True
             run.save_state()
         else:
-            model.load_state_dict(torch.load(run.work / "e2e.pt"))
+            model.load_state_dict(torch.load(run.work / "e2e.pt", weights_only=True))
         metrics["e2e_s"] = round(time.perf_counter() - t3, 2)
     return model
 

@@ -1,8 +1,10 @@
 """Save a checkpoint that plain `transformers` loads: safetensors, tokenizer, and an llmcompress manifest.
 
 The manifest `llmcompress.json` records the llmcompress version, the source model and a hash of its
-weights, the method with its full config, and measured metrics. The write is atomic: files go to a
-temporary directory that is renamed into place only when complete.
+weights, the method with its full config, and measured metrics, and the sha256 of every other file of the
+checkpoint (`files_sha256`), which `llmcompress verify` checks: safetensors has no checksum of its own, so
+bit flips in tensor data would otherwise load silently. The write is atomic: files go to a temporary
+directory that is renamed into place only when complete.
 """
 
 from __future__ import annotations
@@ -17,6 +19,52 @@ from llmcompress import __version__
 from llmcompress.io.atomic import atomic_dir, write_json
 
 MANIFEST = "llmcompress.json"
+DIGESTS = "files_sha256"
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file in `folder` but the manifest (which records these digests), by file name."""
+    return {p.name: _sha256(p) for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+def verify_checkpoint(folder: Path) -> dict[str, int]:
+    """Compare every file of a checkpoint with the digest its manifest recorded. Raises UserError naming the
+    files that differ or are missing; returns {"files": n, "bytes": total} when all match."""
+    import json
+
+    from llmcompress.errors import UserError
+
+    folder = Path(folder)
+    m = folder / MANIFEST
+    if not m.is_file():
+        raise UserError(f"{folder} has no {MANIFEST}", "verify checks checkpoints written by llmcompress")
+    try:
+        digests = json.loads(m.read_text()).get(DIGESTS)
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        raise UserError(f"{m} is not valid JSON", "re-create the checkpoint") from None
+    if not isinstance(digests, dict) or not digests:
+        raise UserError(f"{m} records no file digests (written by an older llmcompress)", "re-create the checkpoint to verify it")
+    bad, missing, total = [], [], 0
+    for name, want in sorted(digests.items()):
+        p = folder / str(name)
+        if "/" in str(name) or not p.is_file():
+            missing.append(str(name))
+            continue
+        total += p.stat().st_size
+        if _sha256(p) != want:
+            bad.append(str(name))
+    if bad or missing:
+        what = "; ".join(x for x in (f"changed: {', '.join(bad)}" if bad else "", f"missing: {', '.join(missing)}" if missing else "") if x)
+        raise UserError(f"{folder} does not match the digests in its {MANIFEST} ({what})", "re-create or re-download the checkpoint")
+    return {"files": len(digests), "bytes": total}
 
 
 def weights_hash(model) -> str:
@@ -74,6 +122,7 @@ def save_checkpoint(
         manifest.setdefault("layers", model.config.num_hidden_layers)
         manifest.setdefault("parameters", sum(p.numel() for p in model.parameters()))
         manifest["weights_sha256"] = weights_hash(model)
+        manifest[DIGESTS] = file_digests(tmp)
         write_json(tmp / MANIFEST, manifest)
         tmp.chmod(0o755)
     return out

@@ -10,11 +10,20 @@ Layout of a `.llmz` file (all integers little-endian; see README.md):
 
 Every block has its crc32 in the index, so a truncated or corrupted file is detected before any
 byte is written. `unzip` rebuilds each safetensors file byte for byte.
+
+The directory's `llmz.json` names the files to restore. It carries `index_sha256`, the sha256 of its own
+canonical JSON (sorted keys, no spaces) without that field, checked on read; archives written before the
+field existed are still read (their names are checked all the same). Every name is checked to be a plain
+file name (no '/', no '..', not absolute) and every copied file a regular file inside the archive (no
+symlink) before anything is written, so an archive can never write or read outside its directories.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import os
 import shutil
 import struct
 import time
@@ -86,6 +95,35 @@ class ZipStats:
 # ------------------------------------------------------------------------------------------------
 # safetensors parsing
 # ------------------------------------------------------------------------------------------------
+
+
+def _plain_name(name) -> bool:
+    """A bare file name: no directory part, not '.', '..' or absolute, nothing a path join could escape with."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name and os.path.basename(name) == name and not os.path.isabs(name))
+
+
+def index_digest(manifest: dict) -> str:
+    """sha256 of the canonical JSON of `llmz.json` without its own `index_sha256` field."""
+    body = {k: v for k, v in manifest.items() if k != "index_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class _NoSpace:
+    """Turn 'no space left on device' while writing into a one-line UserError naming the path and the size
+    the write needs (the caller's atomic_dir removes the partial output as the error passes through)."""
+
+    def __init__(self, where: Path, needed_bytes: int) -> None:
+        self.where, self.needed = where, needed_bytes
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, exc, tb):
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise UserError(f"no space left on {self.where} (needs ~{max(1, round(self.needed / 1e6))} MB)",
+                            "free some space there or choose another --out") from None
+        return False
 
 
 def _read_st_header(path: Path) -> tuple[bytes, dict, int]:
@@ -280,7 +318,8 @@ def zip_checkpoint(
         raise UserError(f"--chunk-kb {chunk_kb} out of range", "use a value between 4 and 65536 (256-1024 is best)")
     stats = ZipStats(threads=threads)
     t0 = time.perf_counter()
-    with atomic_dir(out, overwrite=True) as tmp:
+    needed = sum(p.stat().st_size for p in st_files + others)  # an upper bound: coded files are smaller
+    with atomic_dir(out, overwrite=True) as tmp, _NoSpace(out.resolve().parent, needed):
         files = []
         for p in st_files:
             zip_file(p, tmp / (p.name + SUFFIX), threads, chunk_kb * 1024, stats)
@@ -288,11 +327,9 @@ def zip_checkpoint(
         for p in others:
             shutil.copy2(p, tmp / p.name)
         stats.wall_seconds = time.perf_counter() - t0
-        write_json(
-            tmp / MANIFEST,
-            {"format": "llmz", "version": VERSION, "codec": "zipccl-1", "chunk_kb": chunk_kb, "files": files,
-             "copied": [p.name for p in others], "stats": stats.as_dict()},
-        )  # fmt: skip
+        manifest = {"format": "llmz", "version": VERSION, "codec": "zipccl-1", "chunk_kb": chunk_kb, "files": files,
+                    "copied": [p.name for p in others], "stats": stats.as_dict()}  # fmt: skip
+        write_json(tmp / MANIFEST, {**manifest, "index_sha256": index_digest(manifest)})
     return stats.as_dict()
 
 
@@ -345,20 +382,23 @@ def _decode_file(path: Path, threads: int, want_tensors: bool):
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc}", "check the path") from None
     index = _read_index(path, buf)
-    _verify(path, buf, index, threads)
-    encs, names = [], []
-    for blk in index["blocks"]:
-        if blk["kind"] != "tensor":
-            continue
-        offs = [c[0] for c in blk["chunks"]]
-        base = offs[0] if offs else 0
-        ends = [c[0] + c[1] for c in blk["chunks"]]
-        payload = buf[base : ends[-1]] if offs else np.zeros(0, np.uint8)
-        offsets = np.array([o - base for o in offs] + [(ends[-1] - base) if offs else 0], np.int64)
-        ml = blk.get("model_lengths")
-        lm = np.array([int(ch, 16) for ch in ml], np.int64) if ml else None
-        encs.append(codec.Encoded(blk["dtype"], tuple(blk["shape"]), blk["chunk_values"], payload, offsets, lm, blk["sigma"]))
-        names.append(blk["name"])
+    try:
+        _verify(path, buf, index, threads)
+        encs, names = [], []
+        for blk in index["blocks"]:
+            if blk["kind"] != "tensor":
+                continue
+            offs = [c[0] for c in blk["chunks"]]
+            base = offs[0] if offs else 0
+            ends = [c[0] + c[1] for c in blk["chunks"]]
+            payload = buf[base : ends[-1]] if offs else np.zeros(0, np.uint8)
+            offsets = np.array([o - base for o in offs] + [(ends[-1] - base) if offs else 0], np.int64)
+            ml = blk.get("model_lengths")
+            lm = np.array([int(ch, 16) for ch in ml], np.int64) if ml else None
+            encs.append(codec.Encoded(blk["dtype"], tuple(blk["shape"]), blk["chunk_values"], payload, offsets, lm, blk["sigma"]))
+            names.append(blk["name"])
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise _corrupt(path, f"malformed index ({type(exc).__name__}: {str(exc)[:80]})") from None
     try:
         tensors = codec.decode_many(encs, threads=threads)
     except (codec.CorruptData, ValueError) as exc:
@@ -367,13 +407,42 @@ def _decode_file(path: Path, threads: int, want_tensors: bool):
 
 
 def _read_manifest(src: Path) -> dict:
+    """`llmz.json`, checked: its checksum, its shape, and that every name is a plain file of the archive."""
     m = src / MANIFEST
     if not m.is_file():
         raise UserError(f"{src} is not a zipped checkpoint (no {MANIFEST})", "pass a directory written by `llmcompress zip`")
     try:
-        return json.loads(m.read_text())
+        manifest = json.loads(m.read_text())
     except (ValueError, UnicodeDecodeError):
         raise _corrupt(src, f"unreadable {MANIFEST}") from None
+    if not isinstance(manifest, dict):
+        raise _corrupt(src, f"{MANIFEST} is not a JSON object")
+    if "index_sha256" in manifest and manifest["index_sha256"] != index_digest(manifest):
+        raise _corrupt(src, f"{MANIFEST} fails its checksum (index_sha256)")
+    files, copied = manifest.get("files", []), manifest.get("copied", [])
+    if not isinstance(files, list) or not isinstance(copied, list):
+        raise _corrupt(src, f"malformed {MANIFEST} ('files' and 'copied' must be lists)")
+    names = []
+    for fe in files:
+        if not isinstance(fe, dict) or not isinstance(fe.get("size", 0), int):
+            raise _corrupt(src, f"malformed {MANIFEST} entry {str(fe)[:80]!r}")
+        for key in ("name", "llmz"):
+            if not _plain_name(fe.get(key)):
+                raise _corrupt(src, f"{MANIFEST} names {str(fe.get(key))[:80]!r}, not a plain file name")
+        names.append(fe["name"])
+    for name in copied:
+        if not _plain_name(name):
+            raise _corrupt(src, f"{MANIFEST} names {str(name)[:80]!r}, not a plain file name")
+        p = src / name
+        if p.is_symlink() or (p.exists() and not p.is_file()):
+            raise _corrupt(src, f"{name} is a link or not a regular file")
+    dup = {n for n in names + list(copied) if (names + list(copied)).count(n) > 1}
+    if dup:
+        raise _corrupt(src, f"{MANIFEST} names {sorted(dup)[0]!r} twice")
+    for fe in files:
+        if (src / fe["llmz"]).is_symlink():
+            raise _corrupt(src, f"{fe['llmz']} is a link")
+    return manifest
 
 
 def unzip_checkpoint(src: Path, out: Path, *, threads: int = 1, overwrite: bool = False) -> dict:
@@ -387,28 +456,36 @@ def unzip_checkpoint(src: Path, out: Path, *, threads: int = 1, overwrite: bool 
     check_out_dir(out, overwrite=overwrite)
     t0 = time.perf_counter()
     total = 0
-    with atomic_dir(out, overwrite=True) as tmp:
+    needed = sum(int(fe.get("size", 0)) for fe in manifest.get("files", [])) + sum(
+        (src / n).stat().st_size for n in manifest.get("copied", []) if (src / n).is_file())
+    with atomic_dir(out, overwrite=True) as tmp, _NoSpace(out.resolve().parent, needed):
         for fe in manifest.get("files", []):
             p = src / fe["llmz"]
             if not p.is_file():
                 raise _corrupt(src, f"missing {fe['llmz']}")
             index, buf, tensors = _decode_file(p, threads, True)
-            size = int(index["source_size"])
-            res = np.zeros(size, np.uint8)
-            for blk in index["blocks"]:
-                if blk["kind"] == "st_header":
-                    off, ln, _ = blk["chunks"][0]
-                    res[:ln] = buf[off : off + ln]
-                elif blk["kind"] == "tensor":
-                    t = tensors[blk["name"]]
-                    if blk["length"]:
-                        res[blk["start"] : blk["start"] + blk["length"]] = t.reshape(-1).view(__import__("torch").uint8).numpy()
-                else:  # gap / raw_tensor
-                    pos = blk["start"]
-                    for off, ln, _ in blk["chunks"]:
-                        res[pos : pos + ln] = buf[off : off + ln]
-                        pos += ln
-            res.tofile(tmp / fe["name"])
+            try:
+                size = int(index["source_size"])
+                if "size" in fe and size != fe["size"]:
+                    raise _corrupt(src, f"{fe['llmz']} restores {size} bytes, {MANIFEST} says {fe['size']}")
+                res = np.zeros(size, np.uint8)
+                for blk in index["blocks"]:
+                    if blk["kind"] == "st_header":
+                        off, ln, _ = blk["chunks"][0]
+                        res[:ln] = buf[off : off + ln]
+                    elif blk["kind"] == "tensor":
+                        t = tensors[blk["name"]]
+                        if blk["length"]:
+                            res[blk["start"] : blk["start"] + blk["length"]] = t.reshape(-1).view(__import__("torch").uint8).numpy()
+                    else:  # gap / raw_tensor
+                        pos = blk["start"]
+                        for off, ln, _ in blk["chunks"]:
+                            res[pos : pos + ln] = buf[off : off + ln]
+                            pos += ln
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+                raise _corrupt(p, f"malformed index ({type(exc).__name__}: {str(exc)[:80]})") from None
+            with open(tmp / fe["name"], "wb") as f:
+                f.write(memoryview(res))
             total += size
         for name in manifest.get("copied", []):
             if (src / name).is_file():

@@ -137,7 +137,9 @@ def save_packed(model, tokenizer, qweights: dict[str, QuantizedWeight], plan, ou
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_json(tmp / PACKED_MARKER, marker)
-        write_json(tmp / "llmcompress.json", {**manifest, "plan": plan.to_dict(), "packed": True})
+        from llmcompress.io.checkpoint import DIGESTS, file_digests
+
+        write_json(tmp / "llmcompress.json", {**manifest, "plan": plan.to_dict(), "packed": True, DIGESTS: file_digests(tmp)})
         tmp.chmod(0o755)
     return Path(out)
 

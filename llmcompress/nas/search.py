@@ -69,10 +69,16 @@ def run_stage(
     log_path = out / "search_log.jsonl"
     start = 0
     if resume and state_path.is_file():
-        st = torch.load(state_path, weights_only=False)
-        if st["fingerprint"] != cfg.fingerprint():
-            from llmcompress.errors import UserError
+        from llmcompress.errors import UserError
 
+        try:  # weights_only: tensors and plain containers only, so a planted file cannot run code
+            st = torch.load(state_path, weights_only=True)
+            if not isinstance(st, dict) or "fingerprint" not in st:
+                raise ValueError("not a search state")
+        except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
+            raise UserError(f"cannot read the search state {state_path}: {str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__}",
+                            "start afresh with --overwrite") from None
+        if st["fingerprint"] != cfg.fingerprint():
             raise UserError(f"{out} holds a search with different settings", "use the same settings, or a new --out")
         net.load_state_dict(st["net"], strict=False)
         opt.load_state_dict(st["opt"])

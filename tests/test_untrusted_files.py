@@ -1,0 +1,105 @@
+"""Files from an output or model directory are data, never code: planted pickles must not run (issue 25,
+findings 2 and 3). Each payload's __reduce__ would create a marker file if it were ever unpickled."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "LLMCOMPRESS_PROGRESS": "0"}
+
+
+class Payload:
+    """Unpickling this runs `touch MARKER` (what a hostile file in a shared output directory would do)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "llmcompress", *map(str, args)], capture_output=True, text=True, env=ENV, timeout=300)
+
+
+def one_line_error(r, needle: str) -> str:
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = [s for s in r.stderr.splitlines() if s.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_payload_really_runs_when_unpickled(tmp_path):
+    """The payload is live: the tests below would see its marker if anything unpickled it."""
+    marker = tmp_path / "ran"
+    pickle.loads(pickle.dumps(Payload(marker)))
+    assert marker.exists()
+
+
+@pytest.fixture
+def tiny_spec(tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text(("The quick brown fox jumps over the lazy dog. " * 40 + "\n\n") * 6)
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(f"calib_source: {text}\nseq_len: 32\ncalib_tokens: 128\nval_tokens: 64\npopulation: 4\ngenerations: 1\n"
+                    "eval_tokens: 0\npiqa_limit: 0\nbaselines: [shortgpt]\nmin_layers: 3\n")
+    return spec
+
+
+@pytest.mark.parametrize("name,needle", [("search_state.pkl", "no longer reads"), ("search_state.json", "cannot read the search state")])
+def test_collapse_resume_never_unpickles_the_state(tmp_path, tiny_hf_dir, tiny_spec, name, needle):
+    out, marker = tmp_path / "run", tmp_path / "pwned"
+    out.mkdir()
+    (out / name).write_bytes(pickle.dumps({"model": str(tiny_hf_dir), "algorithm": Payload(marker)}))
+    one_line_error(cli("collapse", tiny_hf_dir, "--spec", tiny_spec, "--pareto", "--resume", "--out", out), needle)
+    assert not marker.exists()
+
+
+def test_nas_resume_reads_tensors_only(tmp_path):
+    import torch
+    from conftest import tiny_nas_setup
+
+    from llmcompress.errors import UserError
+    from llmcompress.nas.search import search_joint
+
+    ids = torch.randint(3, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    model, cfg, space, costs = tiny_nas_setup(ids)
+    marker = tmp_path / "pwned"
+    torch.save({"fingerprint": cfg.fingerprint(), "net": Payload(marker)}, tmp_path / "search_state_joint.pt")
+    with pytest.raises(UserError, match="cannot read the search state"):
+        search_joint(model, space, costs, cfg, ids, tmp_path, True)
+    assert not marker.exists()
+
+
+@pytest.fixture
+def pickle_only_dir(tmp_path, tiny_hf_dir):
+    """The tiny model with its weights as pytorch_model.bin only."""
+    import torch
+    from safetensors.torch import load_file
+
+    sd = load_file(tiny_hf_dir / "model.safetensors")
+    (tiny_hf_dir / "model.safetensors").unlink()
+    torch.save(sd, tiny_hf_dir / "pytorch_model.bin")
+    return tiny_hf_dir
+
+
+def test_pickle_only_model_is_refused_and_allow_pickle_loads_tensors_only(tmp_path, pickle_only_dir):
+    import torch
+
+    line = one_line_error(cli("info", pickle_only_dir), "only pickle weights (pytorch_model.bin)")
+    assert "--allow-pickle" in line and "safetensors" in line
+    one_line_error(cli("eval", pickle_only_dir, "--ppl", "none", "--no-speed"), "only pickle weights")
+    ok = cli("info", pickle_only_dir, "--allow-pickle", "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert '"layers": 4' in ok.stdout
+    marker = tmp_path / "pwned"  # a hostile .bin: refused without the flag, and not run with it
+    torch.save({"model.embed_tokens.weight": Payload(marker)}, pickle_only_dir / "pytorch_model.bin")
+    one_line_error(cli("info", pickle_only_dir), "only pickle weights")
+    one_line_error(cli("info", pickle_only_dir, "--allow-pickle"), "refused to unpickle")
+    assert not marker.exists()
