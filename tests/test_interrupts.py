@@ -89,3 +89,31 @@ def test_collapse_sigterm_mid_search_keeps_state_and_resume_accepts_it(tmp_path,
     assert not list(out.glob("collapse-states-*"))  # the spilled-state folder was cleaned up on the way out
     gens = [__import__("json").loads(s)["gen"] for s in log.read_text().splitlines()]
     assert gens == list(range(len(gens))) and len(gens) >= 2
+
+
+def test_interrupt_that_library_code_rewraps_still_exits_130(capsys):
+    """transformers' lazy imports turn a KeyboardInterrupt raised inside them into ModuleNotFoundError: the
+    signal was received, so the exit is still 130 with the interrupt line (seen under load in this suite)."""
+    import typer
+
+    from llmcompress.cli._errors import run_app
+
+    app = typer.Typer()
+
+    @app.command()
+    def boom():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except KeyboardInterrupt as exc:
+            raise ModuleNotFoundError("Could not import module 'LlamaConfig'") from exc
+
+    @app.command()
+    def other():
+        pass
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert run_app(app, ["boom"]) == 130
+    err = [s for s in capsys.readouterr().err.splitlines() if s.strip()]
+    assert len(err) == 1 and err[0].startswith("interrupted (SIGTERM)"), err
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers restored

@@ -55,15 +55,17 @@ def run_app(app, argv: list[str] | None = None) -> int:
         if code == INTERRUPTED:
             return _interrupted(argv)
         return code if isinstance(code, int) else 0
-    except UserError as exc:
-        if _debug(argv):
-            raise
-        print(f"error: {exc.one_line()}", file=sys.stderr)
-        return exc.exit_code
     except KeyboardInterrupt:
         return _interrupted(argv)
-    except Exception as exc:  # click usage errors and friends (typer may vendor its own click)
-        name = type(exc).__name__
+    except Exception as exc:
+        if _run["signal"] is not None:  # an interrupt that library code re-raised as another error
+            return _interrupted(argv)  # (transformers' lazy imports turn it into ModuleNotFoundError)
+        if isinstance(exc, UserError):
+            if _debug(argv):
+                raise
+            print(f"error: {exc.one_line()}", file=sys.stderr)
+            return exc.exit_code
+        name = type(exc).__name__  # click usage errors and friends (typer may vendor its own click)
         if name == "Exit" and hasattr(exc, "exit_code"):
             return _interrupted(argv) if exc.exit_code == INTERRUPTED else exc.exit_code
         if name == "Abort":
@@ -80,8 +82,8 @@ def run_app(app, argv: list[str] | None = None) -> int:
         print(f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (rerun with --debug for the traceback)", file=sys.stderr)
         return 1
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _interrupted(argv: list[str]) -> int:
@@ -94,10 +96,14 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _sigterm_interrupts():
+def _sigterm_interrupts() -> dict:
     """SIGTERM (kill, a scheduler's time limit) unwinds like Ctrl-C, so cleanup runs (spilled caches, temp
-    files) and the same interrupt line is printed. Returns the previous handler (None off the main thread)."""
-    try:
-        return signal.signal(signal.SIGTERM, _raise_interrupt)
-    except ValueError:  # not the main thread of the main interpreter
-        return None
+    files) and the same interrupt line is printed. Both signals are recorded, so an interrupt that library
+    code turns into another exception still exits 130. Returns the previous handlers (none off the main thread)."""
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[signum] = signal.signal(signum, _raise_interrupt)
+        except ValueError:  # not the main thread of the main interpreter
+            break
+    return previous
