@@ -80,12 +80,6 @@ def distill_command(
 
     if out is None:
         raise UserError("--out is required", "e.g. --out distilled/")
-    if os.environ.get("RANK", "0") == "0":  # fail fast, before torch loads (rank 0 only: it creates --out)
-        check_out_dir(out, overwrite=overwrite, resume=resume)
-    from llmcompress.distill.dist import from_env, shutdown
-    from llmcompress.distill.engine import distill
-    from llmcompress.runtime import resolve_device
-
     cfg = DistillConfig(
         teacher=teacher, keep_layers=keep_layers, student=student, select=select.value, mode=mode.value,
         train_tokens=train_tokens, epochs=epochs, segments=segments, data=data, data_split=data_split, seq_len=seq_len,
@@ -93,6 +87,13 @@ def distill_command(
         phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, e2e_lr=e2e_lr, precision=precision.value, cache_dtype=cache_dtype.value,
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
     )
+    cfg.validate()  # every number, before torch loads
+    if os.environ.get("RANK", "0") == "0":  # fail fast, before torch loads (rank 0 only: it creates --out)
+        check_out_dir(out, overwrite=overwrite, resume=resume)
+    from llmcompress.distill.dist import from_env, shutdown
+    from llmcompress.distill.engine import distill
+    from llmcompress.runtime import resolve_device
+
     dev, _ = resolve_device(device)
     info = from_env(dev.type)
     try:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from llmcompress.collapse.operator import collapse_group
 from llmcompress.collapse.space import Candidate
 from llmcompress.io.adapters import get_adapter
+from llmcompress.io.atomic import atomic_path
 from llmcompress.io.forward import boundary_states, run_layers
 
 if TYPE_CHECKING:
@@ -79,8 +80,8 @@ class StateStore:
             self._states = []
             for i, s in enumerate(states):
                 path = self._dir / f"b{i}.pt"
-                torch.save(s.contiguous(), self._dir / f".b{i}.tmp")
-                (self._dir / f".b{i}.tmp").replace(path)
+                with atomic_path(path) as tmp:
+                    torch.save(s.contiguous(), tmp)
                 self._states.append(torch.load(path, mmap=True))
         else:
             self._states = states

@@ -1,4 +1,9 @@
-"""Atomic writes: write to a temporary sibling, then rename, so readers never see half a file."""
+"""Atomic writes: write to a temporary sibling, then rename, so readers never see half a file.
+
+The only writer of final files: `write_bytes`/`write_text`/`write_json` for data in hand, `atomic_path` for
+writers that want a file name (torch.save, safetensors, np.save, savefig), `atomic_dir` for a directory.
+Each fsyncs, removes its temporary on error, and gives the result normal permissions (umask-respecting).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,26 @@ def check_out_dir(out: Path, overwrite: bool = False, resume: bool = False) -> N
         raise OutputExists(f"output directory {out} already exists", "choose another --out, or pass --overwrite")
 
 
+def normal_mode(directory: bool = False) -> int:
+    """The mode a plain open()/mkdir() would give: 0o666 (files) or 0o777 (directories) less the umask.
+
+    mkstemp/mkdtemp create 0600/0700 on purpose (private temp files); a final output must not keep that.
+    """
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if directory else 0o666) & ~mask
+
+
+def _normal_modes(root: Path) -> None:
+    """Give every file and folder under `root` the normal mode (symlinks are left alone)."""
+    file_mode, dir_mode = normal_mode(), normal_mode(directory=True)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name, mode in [(d, dir_mode) for d in dirnames] + [(f, file_mode) for f in filenames]:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                os.chmod(p, mode)
+
+
 @contextmanager
 def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that becomes `final` only when the block finishes without error."""
@@ -30,7 +55,9 @@ def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
+        tmp.chmod(normal_mode(directory=True))
         yield tmp
+        _normal_modes(tmp)  # writers inside may use private temp files too (transformers' save_pretrained does)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -43,24 +70,39 @@ def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
         os.replace(tmp, final)
 
 
+@contextmanager
+def atomic_path(path: Path, suffix: str | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling of `path` for a writer that wants a file name (torch.save, safetensors'
+    save_file, np.save, savefig); when the block ends without error the file is fsynced, given normal
+    permissions and renamed onto `path`, otherwise it is removed and `path` is left as it was.
+
+    `suffix` (default: `path`'s own) ends the temporary name, for writers that pick the format from it
+    (savefig) or append one when it is missing (np.save).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix if suffix is None else suffix, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        tmp.chmod(normal_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_text(path: Path, text: str) -> None:
     write_bytes(path, text.encode())
 
 
 def write_bytes(path: Path, data: bytes) -> None:
     """Write a file atomically: a temporary sibling, fsync, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
 
 
 def write_json(path: Path, obj) -> None:
