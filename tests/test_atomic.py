@@ -78,3 +78,14 @@ def test_a_failing_writer_keeps_the_previous_file(tmp_path):
         raise KeyboardInterrupt
     assert list(tmp_path.iterdir()) == [target]
     assert np.load(target).tolist() == [0, 1, 2, 3]
+
+
+def test_zip_and_unzip_outputs_have_normal_modes(tiny_hf_dir, tmp_path, umask022):
+    from llmcompress.lossless.container import unzip_checkpoint, zip_checkpoint
+
+    zip_checkpoint(tiny_hf_dir, tmp_path / "z")
+    unzip_checkpoint(tmp_path / "z", tmp_path / "u")
+    for root in (tmp_path / "z", tmp_path / "u"):
+        assert _mode(root) == 0o755
+        modes = {p.name: _mode(p) for p in root.rglob("*")}
+        assert modes and all(m == (0o755 if (root / n).is_dir() else 0o644) for n, m in modes.items()), modes

@@ -68,6 +68,7 @@ def distill_command(
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
+    keep_work: Annotated[bool, typer.Option("--keep-work", help="Keep OUT/work (segment weights, features, resume state) after success.")] = False,
 ) -> None:
     """Distil a smaller student from TEACHER: layer-wise, easy-to-hard, from a cached teacher.
 
@@ -89,7 +90,16 @@ def distill_command(
     )
     cfg.validate()  # every number, before torch loads
     if os.environ.get("RANK", "0") == "0":  # fail fast, before torch loads (rank 0 only: it creates --out)
+        from llmcompress.distill.plan import feature_cache_bytes
+        from llmcompress.io.preflight import check_run_outputs, check_writable
+
         check_out_dir(out, overwrite=overwrite, resume=resume)
+        features = feature_cache_bytes(cfg)
+        if cache_dir is None:
+            check_run_outputs(out, [teacher], out_factor=2, cache_extra=features)  # the student and work/ segments
+        else:
+            check_run_outputs(out, [teacher], out_factor=2)
+            check_writable(cache_dir, features, "--cache-dir")
     from llmcompress.distill.dist import from_env, shutdown
     from llmcompress.distill.engine import distill
     from llmcompress.runtime import resolve_device
@@ -97,7 +107,7 @@ def distill_command(
     dev, _ = resolve_device(device)
     info = from_env(dev.type)
     try:
-        result = distill(cfg, out, device=str(dev), overwrite=overwrite, resume=resume, dist=info)
+        result = distill(cfg, out, device=str(dev), overwrite=overwrite, resume=resume, dist=info, keep_work=keep_work)
     finally:
         shutdown(info)
     if info.is_main:

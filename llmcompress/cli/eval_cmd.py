@@ -52,6 +52,9 @@ def eval_command(
         check_out_dir(out, overwrite=overwrite)
     for m in models:  # validate every model before the first slow step
         resolve(m)
+    from llmcompress.io.preflight import MB, check_run_outputs
+
+    check_run_outputs(out, models, out_extra=MB, uses_cache=bool(spec.ppl))  # before any model loads
     if spec.ppl:
         from llmcompress.data.sources import load_texts
 

@@ -56,10 +56,13 @@ def zip_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Compress a checkpoint losslessly (ZipCCL exponent coding); prints ratio and throughput."""
+    from llmcompress.io.preflight import check_writable, dir_bytes
     from llmcompress.lossless.container import zip_checkpoint
 
     _check_numbers(threads=threads, chunk_kb=chunk_kb)
-    stats = zip_checkpoint(_resolve_ckpt(checkpoint), out, threads=_threads(threads), chunk_kb=chunk_kb, overwrite=overwrite)
+    src = _resolve_ckpt(checkpoint)
+    check_writable(out, dir_bytes(src))  # compressed is smaller than the original
+    stats = zip_checkpoint(src, out, threads=_threads(threads), chunk_kb=chunk_kb, overwrite=overwrite)
     stats = {"checkpoint": str(checkpoint), "out": str(out), **stats}
     if as_json:
         typer.echo(json.dumps(stats, indent=2))
@@ -84,9 +87,11 @@ def unzip_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Restore the safetensors files of a zipped checkpoint, byte for byte."""
+    from llmcompress.io.preflight import check_writable, dir_bytes
     from llmcompress.lossless.container import unzip_checkpoint
 
     _check_numbers(threads=threads)
+    check_writable(out, 1.5 * dir_bytes(Path(zipped)))  # ZipCCL keeps ~70% of the bytes: 1.5x is a safe bound
     stats = unzip_checkpoint(Path(zipped), out, threads=_threads(threads), overwrite=overwrite)
     stats = {"zipped": str(zipped), "out": str(out), **stats}
     if as_json:

@@ -199,6 +199,10 @@ class Evaluator:
     def n_layers(self) -> int:
         return len(self.layers)
 
+    def calib_keys(self) -> set[tuple]:
+        """Keys of the candidates scored on calibration data so far (what `stats.evaluations` counts)."""
+        return {k for split, k in self.memo if split == "calib"}
+
     def params_of(self, cand: Candidate) -> int:
         removed = sum(self.layer_params[i] for grp in cand.groups for i in grp[1:])
         return self.total_params - removed

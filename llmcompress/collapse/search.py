@@ -153,6 +153,15 @@ def _atomic_pickle(path: Path, obj) -> None:
     write_bytes(path, pickle.dumps(obj))
 
 
+def _lists(x):
+    """A candidate key (nested tuples) as JSON-ready nested lists."""
+    return [_lists(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tuples(x):
+    return tuple(_tuples(v) for v in x) if isinstance(x, (tuple, list)) else x
+
+
 def load_state(out_dir: Path, cfg: CollapseConfig, model_id: str):
     """The pickled algorithm of an interrupted run, after checking it was made for this model and config."""
     path = Path(out_dir) / STATE_FILE
@@ -208,6 +217,8 @@ def run_search(
     out_dir.mkdir(parents=True, exist_ok=True)
     space = make_space(cfg, evaluator.n_layers, seeds)
     state = load_state(out_dir, cfg, model_id) if resume else None
+    # candidates scored before an interruption: a resumed run counts evaluations as an uninterrupted one would
+    evaluated = {_tuples(k) for k in state.get("evaluated", ())} if state is not None else set()
     if state is not None:
         algo = state["algorithm"]
         algo.problem.evaluator = evaluator
@@ -226,7 +237,7 @@ def run_search(
         best = min(front, key=lambda t: t[1].fitness)
         record = {
             "gen": gen,
-            "evaluations": evaluator.stats.evaluations,
+            "evaluations": len(evaluated | evaluator.calib_keys()),
             "evals_per_s": round(evaluator.stats.per_second, 4),
             "best_fitness_calib": best[1].fitness,
             "best_fitness_val": best[2].fitness,
@@ -240,7 +251,9 @@ def run_search(
             ],
         }
         append_jsonl(out_dir / LOG_FILE, record)
-        _atomic_pickle(out_dir / STATE_FILE, {"algorithm": algo, "model": model_id, "fingerprint": cfg.fingerprint(), "gen": gen})
+        evaluated |= evaluator.calib_keys()
+        _atomic_pickle(out_dir / STATE_FILE, {"algorithm": algo, "model": model_id, "fingerprint": cfg.fingerprint(), "gen": gen,
+                                              "evaluated": sorted(_lists(k) for k in evaluated)})
         g = Generation(gen, front, record)
         history.append(g)
         if on_generation is not None:

@@ -363,6 +363,7 @@ def distill(
     overwrite: bool = False,
     resume: bool = False,
     dist: DistInfo | None = None,
+    keep_work: bool = False,
 ) -> DistillResult:
     """Distil a smaller student from `cfg.teacher` into `out` (see the module docstring).
 
@@ -373,6 +374,8 @@ def distill(
         overwrite: replace an existing `out`.
         resume: continue an interrupted run in `out` (same settings required).
         dist: this process's place in a torch.distributed group (None: single process).
+        keep_work: keep `out/work` (segment weights, student features, resume state) after success;
+            by default it is removed once the student and the report are written.
     """
     import torch
 
@@ -426,6 +429,10 @@ def distill(
     from llmcompress.distill.report import write_report
 
     write_report(out, cfg, metrics)
+    if not keep_work:  # only what --resume needed: the finished run does not (hundreds of MB on a real model)
+        import shutil
+
+        shutil.rmtree(run.work, ignore_errors=True)
     return DistillResult(out, student_dir, layer_map, segments, metrics)
 
 

@@ -27,6 +27,15 @@ def prepare_out(cfg: DistillConfig, out: Path, overwrite: bool, resume: bool, di
         check_out_dir(out, overwrite=overwrite, resume=resume)
     state_path = out / "work" / "state.json"
     state: dict = {}
+    finished = out / "student" / "llmcompress.json"  # a finished run's work/ is gone; its manifest has the settings
+    if resume and not state_path.is_file() and finished.is_file():
+        stored = json.loads(finished.read_text()).get("config") or {}
+        if saved_settings({k: v for k, v in stored.items() if k in cfg.result_dict()}) != cfg.result_dict():
+            raise UserError(
+                f"--resume: {out} holds a run with different settings",
+                "rerun with the same options, or use --overwrite to start again",
+            )
+        raise UserError(f"--resume: {out} holds a finished run, there is nothing to resume", "use --overwrite to run it again")
     if resume and state_path.is_file():
         state = json.loads(state_path.read_text())
         if saved_settings(state.get("config") or {}) != cfg.result_dict():
@@ -130,3 +139,15 @@ def plan_student(cfg: DistillConfig, model, blocks) -> tuple[list[dict], list[in
         keep = uniform_keep(n_teacher, cfg.keep_layers)
     return layer_map_from_keep(keep), keep
 
+
+
+def feature_cache_bytes(cfg: DistillConfig) -> float:
+    """Rough size of the teacher feature cache: boundary states of the distinct training tokens (0 if the
+    teacher's config is not on disk yet). An upper bound: one boundary per teacher layer at most."""
+    from llmcompress.io.preflight import model_config
+
+    config = model_config(cfg.teacher)
+    hidden, layers = config.get("hidden_size", config.get("n_embd", 0)), config.get("num_hidden_layers", config.get("n_layer", 0))
+    boundaries = min(layers, cfg.segments or cfg.keep_layers or layers) + 1
+    per_value = {"fp32": 4}.get(cfg.cache_dtype.value, 2)
+    return boundaries * math.ceil(cfg.train_tokens / cfg.epochs) * hidden * per_value

@@ -47,6 +47,20 @@ def _normal_modes(root: Path) -> None:
 
 
 @contextmanager
+def removed_if_left_empty(out: Path) -> Iterator[None]:
+    """Around a run that creates `out`: if the run fails before writing anything into it, remove the empty
+    `out` it created, so a failed run (bad input) leaves no output directory behind. Never removes content."""
+    out = Path(out)
+    existed = out.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
+
+
+@contextmanager
 def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that becomes `final` only when the block finishes without error."""
     final = Path(final)
