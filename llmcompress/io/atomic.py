@@ -2,7 +2,8 @@
 
 The only writer of final files: `write_bytes`/`write_text`/`write_json` for data in hand, `atomic_path` for
 writers that want a file name (torch.save, safetensors, np.save, savefig), `atomic_dir` for a directory.
-Each fsyncs, removes its temporary on error, and gives the result normal permissions (umask-respecting).
+Files are fsynced before the rename; on error the temporary is removed and the old file or directory
+stays; results get normal permissions (0666/0777 less the umask), not mkstemp's private 0600/0700.
 """
 
 from __future__ import annotations
@@ -31,9 +32,22 @@ def normal_mode(directory: bool = False) -> int:
 
     mkstemp/mkdtemp create 0600/0700 on purpose (private temp files); a final output must not keep that.
     """
-    mask = os.umask(0)
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux shows it (setting it to read it back would
+    briefly give files created by other threads meanwhile a 0 umask)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
-    return (0o777 if directory else 0o666) & ~mask
+    return mask
 
 
 def _normal_modes(root: Path) -> None:
@@ -85,17 +99,17 @@ def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
 
 
 @contextmanager
-def atomic_path(path: Path, suffix: str | None = None) -> Iterator[Path]:
+def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temporary sibling of `path` for a writer that wants a file name (torch.save, safetensors'
     save_file, np.save, savefig); when the block ends without error the file is fsynced, given normal
     permissions and renamed onto `path`, otherwise it is removed and `path` is left as it was.
 
-    `suffix` (default: `path`'s own) ends the temporary name, for writers that pick the format from it
-    (savefig) or append one when it is missing (np.save).
+    The temporary name ends with `path`'s suffix: savefig picks the format from it, np.save appends
+    ".npy" to a name without it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix if suffix is None else suffix, dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
     os.close(fd)
     tmp = Path(name)
     try:
