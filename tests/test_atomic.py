@@ -89,3 +89,25 @@ def test_zip_and_unzip_outputs_have_normal_modes(tiny_hf_dir, tmp_path, umask022
         assert _mode(root) == 0o755
         modes = {p.name: _mode(p) for p in root.rglob("*")}
         assert modes and all(m == (0o755 if (root / n).is_dir() else 0o644) for n, m in modes.items()), modes
+
+
+def test_a_full_disk_is_one_line_and_exit_2_and_leaves_nothing(tmp_path, capsys):
+    import errno
+
+    from llmcompress.errors import DiskFull, UserError
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(DiskFull) as info, atomic_path(tmp_path / "model.safetensors") as tmp:
+        tmp.write_bytes(b"half")
+        full()
+    exc = info.value
+    assert isinstance(exc, UserError) and exc.exit_code == 2 and isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+    assert "no space left" in exc.one_line() and str(tmp_path) in exc.one_line()
+    with pytest.raises(DiskFull), atomic_dir(tmp_path / "ckpt") as d:
+        (d / "config.json").write_text("{}")
+        full()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError), atomic_path(tmp_path / "x.json"):  # other errors pass through unchanged
+        raise ValueError("not a disk error")

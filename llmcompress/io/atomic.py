@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from llmcompress.errors import OutputExists
+from llmcompress.errors import DiskFull, OutputExists, UserError
 
 
 def check_out_dir(out: Path, overwrite: bool = False, resume: bool = False) -> None:
@@ -86,8 +86,9 @@ def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
         tmp.chmod(normal_mode(directory=True))
         yield tmp
         _normal_modes(tmp)  # writers inside may use private temp files too (transformers' save_pretrained does)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        _raise_disk_full(exc, final)
         raise
     if final.exists():
         trash = final.parent / f".{final.name}.old-{os.getpid()}"
@@ -118,9 +119,18 @@ def atomic_path(path: Path) -> Iterator[Path]:
             os.fsync(f.fileno())
         tmp.chmod(normal_mode())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        _raise_disk_full(exc, path)
         raise
+
+
+def _raise_disk_full(exc: BaseException, path: Path) -> None:
+    """A full disk while writing `path` becomes one line and exit 2 (the temporary is already removed)."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and not isinstance(exc, UserError):
+        raise DiskFull(f"no space left on the disk of {path.parent} while writing {path.name}", "free some space or write elsewhere, then rerun") from None
 
 
 def write_text(path: Path, text: str) -> None:
