@@ -164,3 +164,28 @@ def test_valid_edge_values_pass_the_range_check():
     CollapseConfig(eval_tokens=0, piqa_limit=0, refine_steps=0, tune_steps=0, max_cache_gb=0.0, seed=2**32 - 1, save="2,3").validate()
     DistillConfig(keep_layers=1, e2e_steps=0, eval_tokens=0, ce_weight=0.0, phase1_fraction=1.0, threads=1).validate()
     NasConfig(target_bits=2.0, group_size=0, eval_tokens=0, refine_evals=0, bits=[2, 16]).validate()
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["eval", "{model}", "--ppl", "wikitext2", "--max-tokens", "-5", "--no-speed"], "--max-tokens must be >= 0"),
+        (["eval", "{model}", "--batch-size", "0", "--no-speed"], "--batch-size must be >= 1"),
+        (["eval", "{model}", "--tasks", "piqa", "--limit", "-3", "--no-speed"], "--limit must be > 0"),
+        (["collapse", "{model}", "--pareto", "--max-cache-gb", "-1"], "--max-cache-gb must be >= 0"),
+        (["collapse", "{model}", "--pareto", "--save", "banana"], "--save 'banana' is not knee, all or a list"),
+    ],
+)
+def test_probe_cases_in_a_real_process(args, needle, tiny_hf_dir, tmp_path):
+    """The fault probe's cases (issue 25, findings 5 and 11) through `python -m llmcompress`."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "llmcompress", *[a.format(model=tiny_hf_dir) for a in args], "--out", str(out)]
+    env = dict(os.environ, LLMCOMPRESS_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+    assert not out.exists()

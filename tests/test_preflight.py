@@ -106,3 +106,16 @@ def test_unwritable_distill_cache_dir(setup, capsys, tmp_path):
     cmds, blocker = setup
     code, err = run_cli(capsys, *cmds["distill"], "--cache-dir", blocker / "feats", "--out", tmp_path / "o")
     assert code == 2 and f"--cache-dir {blocker / 'feats'}" in err, err
+
+
+def test_unwritable_out_in_a_real_process(tiny_hf_dir, tmp_path):
+    """The probe's case (issue 25, finding 4): `eval MODEL --out /proc/foo` computed everything, then exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, LLMCOMPRESS_CACHE_DIR=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "llmcompress", "eval", str(tiny_hf_dir), "--no-speed", "--out", "/proc/foo"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --out /proc/foo is not writable"), proc.stderr
+    assert proc.stdout == ""  # no table: nothing was measured
