@@ -189,3 +189,19 @@ def test_probe_cases_in_a_real_process(args, needle, tiny_hf_dir, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
     assert not out.exists()
+
+
+def test_every_numeric_config_field_has_a_range():
+    """Search-spec keys without a CLI flag are numbers too: each typed config's RANGES covers all of them."""
+    import dataclasses
+    import re
+
+    from llmcompress.collapse import config as collapse_config
+    from llmcompress.distill import config as distill_config
+    from llmcompress.eval import report
+    from llmcompress.nas import config as nas_config
+
+    for cls, ranges in [(collapse_config.CollapseConfig, collapse_config.RANGES), (nas_config.NasConfig, nas_config.RANGES),
+                        (distill_config.DistillConfig, distill_config.RANGES), (report.EvalSpec, report.RANGES)]:
+        numeric = {f.name for f in dataclasses.fields(cls) if re.search(r"\b(int|float)\b", str(f.type)) and f.name != "version"}
+        assert numeric == set(ranges), (cls.__name__, numeric ^ set(ranges))
