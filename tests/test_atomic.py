@@ -111,3 +111,17 @@ def test_a_full_disk_is_one_line_and_exit_2_and_leaves_nothing(tmp_path, capsys)
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError), atomic_path(tmp_path / "x.json"):  # other errors pass through unchanged
         raise ValueError("not a disk error")
+
+
+def test_a_full_disk_while_appending_a_log_line_is_exit_2(tmp_path, monkeypatch):
+    import errno
+
+    from llmcompress.errors import DiskFull
+    from llmcompress.io.atomic import append_jsonl
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(DiskFull, match="train_log.jsonl"):
+        append_jsonl(tmp_path / "train_log.jsonl", {"step": 1})

@@ -149,7 +149,11 @@ def write_json(path: Path, obj) -> None:
 
 def append_jsonl(path: Path, obj) -> None:
     """Append one JSON line and fsync (a crash loses at most the line being written)."""
-    with open(path, "a") as f:
-        f.write(json.dumps(obj, default=str) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(obj, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        _raise_disk_full(exc, Path(path))
+        raise
