@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class UserError(Exception):
     """Bad input: the message names the problem, `hint` says what to do about it."""
@@ -31,3 +33,15 @@ class DataError(UserError):
 
 class OutputExists(UserError):
     pass
+
+
+class DiskFull(UserError, OSError):
+    """The disk filled during a write (exit 2, not a raw OSError). Still an OSError with errno ENOSPC, so
+    code that handles a full disk in its own words (e.g. the distill feature cache) keeps doing so."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        UserError.__init__(self, message, hint)
+        self.errno = errno.ENOSPC
+
+    def __str__(self) -> str:
+        return self.one_line()

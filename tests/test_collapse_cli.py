@@ -38,12 +38,12 @@ def tiny_spec(tmp_path):
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--target-layers", "1"], "below 2"),
+        (["--target-layers", "1"], "--target-layers must be >= 2"),
         (["--method", "magic", "--pareto"], "unknown method"),
         (["--population", "0", "--pareto"], "population"),
         (["--generations", "-1", "--pareto"], "generations"),
         (["--ratio", "1.5"], "--ratio"),
-        (["--tune-steps", "-1", "--pareto"], "tune_steps"),
+        (["--tune-steps", "-1", "--pareto"], "--tune-steps must be >= 0"),
     ],
 )
 def test_bad_inputs_fail_fast_with_one_line(tmp_path, args, needle):

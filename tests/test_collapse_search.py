@@ -171,3 +171,19 @@ def test_seeds_enter_the_search_unchanged(tmp_path):
     ev = _evaluator()
     hist = run_search(cfg, ev, [seed], tmp_path, model_id="tiny")
     assert min(f.fitness for _, f, _ in hist[0].front) <= ev.evaluate(seed).fitness
+
+
+def test_resumed_log_counts_evaluations_like_an_uninterrupted_run(tmp_path):
+    """The `evaluations` column of search_log.jsonl after --resume is monotone and equals the uninterrupted
+    run's (it restarted from the fresh evaluator's count: 4, 8, 6, 10; issue 25, finding 12)."""
+    import json
+
+    def counts(path):
+        return [json.loads(s)["evaluations"] for s in (path / "search_log.jsonl").read_text().splitlines()]
+
+    _run(tmp_path / "full", ev=_evaluator())
+    _run(tmp_path / "cut", stop_after=0, ev=_evaluator())
+    _run(tmp_path / "cut", resume=True, ev=_evaluator())
+    full = counts(tmp_path / "full")
+    assert full == sorted(full) and full[0] > 0 and len(full) == 3
+    assert counts(tmp_path / "cut") == full

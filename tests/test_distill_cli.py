@@ -78,10 +78,10 @@ def test_bad_inputs_exit_2_with_one_line(tiny_hf_dir, data_file, tmp_path, capsy
         (small(t, d, tmp_path, "--student", other_family_student(tmp_path), "--out", tmp_path / "o4"), "gpt2 model"),
         (small(t, d, tmp_path, "--keep-layers", 2), "--out is required"),
         (small(t, d, tmp_path, "--out", tmp_path / "o5"), "exactly one of --keep-layers"),
-        (small(t, d, tmp_path, "--keep-layers", 2, "--ce-weight", -1, "--out", tmp_path / "o6"), "--ce-weight -1.0 must be 0 or more"),
-        (small(t, d, tmp_path, "--keep-layers", 2, "--epochs", 0, "--out", tmp_path / "o7"), "--epochs 0 must be 1 or more"),
+        (small(t, d, tmp_path, "--keep-layers", 2, "--ce-weight", -1, "--out", tmp_path / "o6"), "--ce-weight must be >= 0 and <= 1e+06 (got -1.0)"),
+        (small(t, d, tmp_path, "--keep-layers", 2, "--epochs", 0, "--out", tmp_path / "o7"), "--epochs must be >= 1 and <= 1000000 (got 0)"),
         (small(t, d, tmp_path, "--keep-layers", 2, "--e2e-lr", 1e-4, "--out", tmp_path / "o8"), "--e2e-lr sets the learning rate of the --e2e-steps phase"),
-        (small(t, d, tmp_path, "--keep-layers", 2, "--lr", 0, "--out", tmp_path / "o9"), "--lr 0.0 must be positive"),
+        (small(t, d, tmp_path, "--keep-layers", 2, "--lr", 0, "--out", tmp_path / "o9"), "--lr must be > 0 and <= 10 (got 0.0)"),
         (small(t, d, tmp_path, "--keep-layers", 2, "--data", f"{d},,{d}", "--out", tmp_path / "o10"), "empty source in --data"),
     ]
     for args, match in cases:

@@ -71,12 +71,14 @@ def test_layerwise_trains_writes_outputs_and_reuses_cache(tiny_hf_dir, data_file
     manifest = json.loads((out / "student" / "llmcompress.json").read_text())
     assert manifest["layer_map"] == [{"sources": [0]}, {"sources": [3]}]
     assert "peak resident memory" in (out / "report.md").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "report.md", "student", "train_log.jsonl"]  # work/ removed
     index = tmp_path / "cache" / res.metrics["cache_dir"].split("/")[-1] / "index.json"
     stamp = index.stat().st_mtime_ns
     # a rerun with the same teacher/data/layout reuses the cache; end-to-end steps use its final states
-    res2 = distill(make_cfg(tiny_hf_dir, data_file, tmp_path, e2e_steps=2), out, overwrite=True)
+    res2 = distill(make_cfg(tiny_hf_dir, data_file, tmp_path, e2e_steps=2), out, overwrite=True, keep_work=True)
     assert res2.metrics["cache_dir"] == res.metrics["cache_dir"] and index.stat().st_mtime_ns == stamp
     assert [r["step"] for r in read_log(out) if r["phase"] == "e2e"] == [0, 1]
+    assert (out / "work" / "state.json").is_file() and (out / "work" / "e2e.pt").is_file()  # --keep-work
 
 
 def test_cross_entropy_term_in_last_segment_and_e2e_steps(tiny_hf_dir, data_file, tmp_path):
@@ -280,3 +282,12 @@ def test_e2e_lr_sets_the_e2e_steps_rate(tiny_hf_dir, data_file, tmp_path):
     for k in states["default"]:
         torch.testing.assert_close(states["quarter"][k], states["default"][k], rtol=0, atol=0)
     assert any(not torch.equal(states["full"][k], states["default"][k]) for k in states["default"])
+
+
+def test_resume_of_a_finished_run_is_refused_without_work(tiny_hf_dir, data_file, tmp_path):
+    """A finished run's work/ is removed (issue 25, finding 12); --resume on it is still checked, then refused."""
+    cfg = make_cfg(tiny_hf_dir, data_file, tmp_path, keep_layers=3, train_tokens=32 * 4 * 4)
+    distill(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "work").exists()
+    with pytest.raises(Exception, match="holds a finished run"):
+        distill(cfg, tmp_path / "run", resume=True)

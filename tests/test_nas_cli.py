@@ -31,7 +31,7 @@ def test_help():
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--target-bits", "4", "--bits", "1,4"], "outside 2..16"),
+        (["--target-bits", "4", "--bits", "1,4"], "--bits must be >= 2 and <= 16 (got 1)"),
         (["--target-bits", "4", "--group-size", "48"], "does not divide"),
         (["--target-latency", "0.01"], "--target-latency 0.01 is below"),
     ],

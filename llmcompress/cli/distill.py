@@ -69,6 +69,7 @@ def distill_command(
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
     allow_pickle: AllowPickleOpt = False,
+    keep_work: Annotated[bool, typer.Option("--keep-work", help="Keep OUT/work (segment weights, features, resume state) after success.")] = False,
 ) -> None:
     """Distil a smaller student from TEACHER: layer-wise, easy-to-hard, from a cached teacher.
 
@@ -81,15 +82,6 @@ def distill_command(
 
     if out is None:
         raise UserError("--out is required", "e.g. --out distilled/")
-    if os.environ.get("RANK", "0") == "0":  # fail fast, before torch loads (rank 0 only: it creates --out)
-        check_out_dir(out, overwrite=overwrite, resume=resume)
-    from llmcompress.cli._errors import note_output
-
-    note_output(out)
-    from llmcompress.distill.dist import from_env, shutdown
-    from llmcompress.distill.engine import distill
-    from llmcompress.runtime import resolve_device
-
     cfg = DistillConfig(
         teacher=teacher, keep_layers=keep_layers, student=student, select=select.value, mode=mode.value,
         train_tokens=train_tokens, epochs=epochs, segments=segments, data=data, data_split=data_split, seq_len=seq_len,
@@ -97,10 +89,29 @@ def distill_command(
         phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, e2e_lr=e2e_lr, precision=precision.value, cache_dtype=cache_dtype.value,
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
     )
+    cfg.validate()  # every number, before torch loads
+    if os.environ.get("RANK", "0") == "0":  # fail fast, before torch loads (rank 0 only: it creates --out)
+        from llmcompress.distill.plan import feature_cache_bytes
+        from llmcompress.io.preflight import check_run_outputs, check_writable
+
+        check_out_dir(out, overwrite=overwrite, resume=resume)
+        features = feature_cache_bytes(cfg)
+        if cache_dir is None:
+            check_run_outputs(out, [teacher], out_factor=2, cache_extra=features)  # the student and work/ segments
+        else:
+            check_run_outputs(out, [teacher], out_factor=2)
+            check_writable(cache_dir, features, "--cache-dir")
+    from llmcompress.cli._errors import note_output
+
+    note_output(out)
+    from llmcompress.distill.dist import from_env, shutdown
+    from llmcompress.distill.engine import distill
+    from llmcompress.runtime import resolve_device
+
     dev, _ = resolve_device(device)
     info = from_env(dev.type)
     try:
-        result = distill(cfg, out, device=str(dev), overwrite=overwrite, resume=resume, dist=info)
+        result = distill(cfg, out, device=str(dev), overwrite=overwrite, resume=resume, dist=info, keep_work=keep_work)
     finally:
         shutdown(info)
     if info.is_main:

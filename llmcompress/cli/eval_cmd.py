@@ -30,29 +30,32 @@ def eval_command(
     allow_pickle: AllowPickleOpt = False,
 ) -> None:
     """Evaluate models: perplexity, lm-evaluation-harness tasks, size and speed, in one table."""
-    from llmcompress.errors import UserError
     from llmcompress.eval.report import EvalSpec, evaluate, table_rows, write_report
     from llmcompress.io.atomic import check_out_dir
     from llmcompress.io.load import DEFAULT_MODEL, load_model, resolve
     from llmcompress.runtime import resolve_device, resolve_dtype
 
     models = models or [DEFAULT_MODEL]
-    if seq_len < 2:
-        raise UserError(f"--seq-len {seq_len} is too short", "use 2 or more")
-    if out is not None:
-        check_out_dir(out, overwrite=overwrite)
-    for m in models:  # validate every model before the first slow step
-        resolve(m)
     spec = EvalSpec(
         ppl=[p for p in ppl if p.lower() != "none"],
         seq_len=seq_len,
         max_tokens=max_tokens or None,
         batch_size=batch_size,
         tasks=[t.strip() for t in tasks.split(",") if t.strip()],
-        limit=int(limit) if limit is not None and limit >= 1 else limit,
+        limit=limit,
         include_tasks=str(include_tasks) if include_tasks else None,
         speed=speed,
     )
+    spec.validate()
+    if spec.limit is not None and spec.limit >= 1:
+        spec.limit = int(spec.limit)
+    if out is not None:
+        check_out_dir(out, overwrite=overwrite)
+    for m in models:  # validate every model before the first slow step
+        resolve(m)
+    from llmcompress.io.preflight import MB, check_run_outputs
+
+    check_run_outputs(out, models, out_extra=MB, uses_cache=bool(spec.ppl))  # before any model loads
     if spec.ppl:
         from llmcompress.data.sources import load_texts
 

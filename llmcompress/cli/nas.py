@@ -62,15 +62,19 @@ def nas_command(
     }
     cfg = config_from_dict({k: v for k, v in overrides.items() if v is not None}, base=cfg)
     cfg.validate()
-    from llmcompress.io.atomic import check_out_dir
+    from llmcompress.io.atomic import check_out_dir, removed_if_left_empty
 
     check_out_dir(out, overwrite, resume)
+    from llmcompress.io.preflight import check_run_outputs
+
+    check_run_outputs(out, [cfg.model], out_factor=2)  # the packed and the HF checkpoint, each at most the model's size
     from llmcompress.cli._errors import note_output
 
     note_output(out)
     from llmcompress.nas.pipeline import run_nas
 
-    run = run_nas(cfg, out, overwrite=overwrite, resume=resume)
+    with removed_if_left_empty(out):
+        run = run_nas(cfg, out, overwrite=overwrite, resume=resume)
     a = run.arch
     typer.echo(f"wrote {run.out_dir}: avg bits {a['avg_bits']:.2f}, modeled latency {a['modeled_latency']:.3f}, "
                f"size {a['size_mb']:.1f} MB, packed on disk {a.get('packed_disk_mb', 0):.1f} MB")

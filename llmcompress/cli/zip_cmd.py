@@ -15,11 +15,18 @@ ThreadsOpt = Annotated[int, typer.Option("--threads", help="Worker threads (0 = 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 
-def _threads(n: int) -> int:
-    from llmcompress.errors import UserError
+def _check_numbers(**values) -> None:
+    """Range-check the numeric options given (the same Range checks as the engines' configs)."""
+    from llmcompress.spec import MAX_THREADS, Int, check_ranges
 
-    if n < 0:
-        raise UserError(f"--threads {n} is negative", "pass 0 (auto) or a positive count")
+    ranges = {
+        "threads": Int("--threads", 0, MAX_THREADS, note="pass 0 (one per core) or a positive count"),
+        "chunk_kb": Int("--chunk-kb", 4, 65536, note="256-1024 is best"),
+    }
+    check_ranges(values, {k: ranges[k] for k in values})
+
+
+def _threads(n: int) -> int:
     return n or max(1, min(os.cpu_count() or 1, 8))
 
 
@@ -49,9 +56,13 @@ def zip_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Compress a checkpoint losslessly (ZipCCL exponent coding); prints ratio and throughput."""
+    from llmcompress.io.preflight import check_writable, dir_bytes
     from llmcompress.lossless.container import zip_checkpoint
 
-    stats = zip_checkpoint(_resolve_ckpt(checkpoint), out, threads=_threads(threads), chunk_kb=chunk_kb, overwrite=overwrite)
+    _check_numbers(threads=threads, chunk_kb=chunk_kb)
+    src = _resolve_ckpt(checkpoint)
+    check_writable(out, dir_bytes(src))  # compressed is smaller than the original
+    stats = zip_checkpoint(src, out, threads=_threads(threads), chunk_kb=chunk_kb, overwrite=overwrite)
     stats = {"checkpoint": str(checkpoint), "out": str(out), **stats}
     if as_json:
         typer.echo(json.dumps(stats, indent=2))
@@ -76,8 +87,11 @@ def unzip_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Restore the safetensors files of a zipped checkpoint, byte for byte."""
+    from llmcompress.io.preflight import check_writable, dir_bytes
     from llmcompress.lossless.container import unzip_checkpoint
 
+    _check_numbers(threads=threads)
+    check_writable(out, 1.5 * dir_bytes(Path(zipped)))  # ZipCCL keeps ~70% of the bytes: 1.5x is a safe bound
     stats = unzip_checkpoint(Path(zipped), out, threads=_threads(threads), overwrite=overwrite)
     stats = {"zipped": str(zipped), "out": str(out), **stats}
     if as_json:

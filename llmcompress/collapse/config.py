@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from llmcompress import spec
 from llmcompress.errors import UserError
+from llmcompress.spec import MAX_BATCH, MAX_COUNT, MAX_SEED, MAX_SEQ, MAX_TOKENS, Int, Real
 
 METHODS = ("gelaco", "shortgpt", "laco", "drop-search")
 Method = Literal["gelaco", "shortgpt", "laco", "drop-search"]
@@ -112,16 +113,10 @@ class CollapseConfig:
         """Raise UserError on bad values; with `n_layers`, also check the layer budget against the depth."""
         if self.method not in METHODS:
             raise UserError(f"unknown method {self.method!r}", f"use one of {', '.join(METHODS)}")
-        if self.population <= 0:
-            raise UserError(f"population must be positive, got {self.population}", "use --population 4 or more")
-        if self.generations <= 0:
-            raise UserError(f"generations must be positive, got {self.generations}", "use --generations 1 or more")
+        spec.check_ranges(self, RANGES)
+        self.save_counts()
         if not self.pareto and self.target_layers is None and self.ratio is None:
             raise UserError("no layer budget given", "pass --pareto, --target-layers N or --ratio R")
-        if self.target_layers is not None and self.target_layers < 2:
-            raise UserError(f"target of {self.target_layers} layers is below 2", "keep 2 layers or more")
-        if self.ratio is not None and not 0.0 < self.ratio < 1.0:
-            raise UserError(f"--ratio must be between 0 and 1, got {self.ratio}", "e.g. --ratio 0.75 keeps 75% of the layers")
         if 0.0 not in self.alpha_grid or 1.0 not in self.alpha_grid:
             raise UserError("alpha_grid must include 0 and 1", "e.g. alpha_grid: [0.0, 0.5, 1.0]")
         for b in self.baselines:
@@ -129,12 +124,6 @@ class CollapseConfig:
                 raise UserError(f"unknown baseline {b!r}", "use shortgpt and/or laco")
         if self.calib_tokens < self.seq_len or self.val_tokens < self.seq_len:
             raise UserError("calibration and validation need at least one block each", f"use {self.seq_len} tokens or more")
-        if self.refine_steps < 0 or self.refine_screen_blocks < 1 or self.refine_top < 1:
-            raise UserError("refine_steps must be >= 0, refine_screen_blocks and refine_top >= 1", "fix the search spec")
-        if self.tune_steps < 0 or not self.tune_lr > 0:
-            raise UserError(f"tune_steps must be >= 0 and tune_lr > 0, got {self.tune_steps} and {self.tune_lr}", "use --tune-steps 0 or more (0 turns tuning off) and a positive tune_lr in the spec")
-        if self.kl_stride < 1 or self.kl_topk < 1 or self.max_group < 2:
-            raise UserError("kl_stride and kl_topk must be >= 1 and max_group >= 2", "fix the search spec")
         if n_layers is not None:
             target = self.resolved_target(n_layers)
             if target is not None and not 2 <= target < n_layers:
@@ -144,6 +133,18 @@ class CollapseConfig:
                 )
             if self.min_layers is not None and not 2 <= self.min_layers < n_layers:
                 raise UserError(f"min_layers {self.min_layers} is out of range", f"use 2..{n_layers - 1}")
+
+    def save_counts(self) -> list[int] | None:
+        """The layer counts `save` names (None for knee or all); UserError for anything else."""
+        if self.save in ("knee", "all"):
+            return None
+        try:
+            counts = [int(x) for x in str(self.save).split(",") if x.strip()]
+        except ValueError:
+            counts = []
+        if not counts or any(not 2 <= n <= MAX_COUNT for n in counts):
+            raise UserError(f"--save {self.save!r} is not knee, all or a list of layer counts (each >= 2)", "e.g. --save knee or --save 22,26")
+        return counts
 
     def resolved_target(self, n_layers: int) -> int | None:
         if self.target_layers is not None:
@@ -167,6 +168,44 @@ class CollapseConfig:
 
 
 FIELDS = {f.name for f in dataclasses.fields(CollapseConfig)}
+
+# Valid values of the numeric fields (flag names where the CLI has one, spec keys otherwise).
+RANGES = {
+    "target_layers": Int("--target-layers", 2, MAX_COUNT, note="keep 2 layers or more"),
+    "ratio": Real("--ratio", 0.0, 1.0, lo_open=True, hi_open=True, note="e.g. --ratio 0.75 keeps 75% of the layers"),
+    "min_layers": Int("min_layers", 2, MAX_COUNT),
+    "population": Int("--population", 1, MAX_COUNT, note="e.g. --population 8"),
+    "generations": Int("--generations", 1, MAX_COUNT, note="e.g. --generations 4"),
+    "seed": Int("--seed", 0, MAX_SEED),
+    "seq_len": Int("seq_len", 2, MAX_SEQ),
+    "calib_tokens": Int("--calib-tokens", 1, MAX_TOKENS),
+    "val_tokens": Int("--val-tokens", 1, MAX_TOKENS),
+    "kl_topk": Int("kl_topk", 1, MAX_COUNT),
+    "kl_stride": Int("kl_stride", 1, MAX_SEQ),
+    "sim_blocks": Int("sim_blocks", 1, MAX_COUNT),
+    "w_kl": Real("w_kl", 0.0, 1e6),
+    "w_sim": Real("w_sim", 0.0, 1e6),
+    "alpha_grid": Real("alpha_grid", 0.0, 1.0),
+    "p_cut_move": Real("p_cut_move", 0.0, 1.0),
+    "p_cut_flip": Real("p_cut_flip", 0.0, 1.0),
+    "p_alpha": Real("p_alpha", 0.0, 1.0),
+    "p_crossover": Real("p_crossover", 0.0, 1.0),
+    "max_group": Int("max_group", 2, MAX_COUNT),
+    "protect_first": Int("protect_first", 0, MAX_COUNT),
+    "protect_last": Int("protect_last", 0, MAX_COUNT),
+    "refine_steps": Int("--refine-steps", 0, MAX_COUNT, note="0 turns refinement off"),
+    "refine_screen_blocks": Int("refine_screen_blocks", 1, MAX_COUNT),
+    "refine_top": Int("refine_top", 1, MAX_COUNT),
+    "tune_steps": Int("--tune-steps", 0, MAX_COUNT, note="0 turns tuning off"),
+    "tune_lr": Real("tune_lr", 0.0, 10.0, lo_open=True),
+    "laco_threshold": Real("laco_threshold", -1.0, 1.0),
+    "laco_blocks": Int("laco_blocks", 1, MAX_COUNT),
+    "max_cache_gb": Real("--max-cache-gb", 0.0, 1e6, note="0 keeps every cached state on disk"),
+    "batch_blocks": Int("batch_blocks", 1, MAX_BATCH),
+    "eval_tokens": Int("--eval-tokens", 0, MAX_TOKENS, note="0 skips the report's perplexity"),
+    "eval_seq_len": Int("eval_seq_len", 2, MAX_SEQ),
+    "piqa_limit": Int("--piqa-limit", 0, MAX_COUNT, note="0 skips PIQA"),
+}
 
 
 def config_from_dict(data: dict[str, Any], base: CollapseConfig | None = None) -> CollapseConfig:

@@ -10,7 +10,7 @@ from pathlib import Path
 from llmcompress.collapse.operator import collapse_group
 from llmcompress.collapse.space import Candidate
 from llmcompress.io.adapters import get_adapter
-from llmcompress.io.atomic import write_json, write_text
+from llmcompress.io.atomic import atomic_path, write_json, write_text
 from llmcompress.io.surgery import replace_layers
 
 
@@ -67,10 +67,9 @@ def choose_to_save(records: list[dict], save: str) -> list[dict]:
         return list(records)
     if save == "knee":
         return [knee(records)]
-    try:
-        counts = [int(s) for s in save.split(",") if s.strip()]
-    except ValueError:
-        raise UserError(f"--save {save!r} is not knee, all or a list of layer counts", "e.g. --save 22,26") from None
+    from llmcompress.collapse.config import CollapseConfig
+
+    counts = CollapseConfig(save=save).save_counts()
     out = []
     for n in counts:
         at = [r for r in records if r["layers"] == n] or sorted([r for r in records if r["layers"] >= n], key=lambda r: r["layers"])[:1]
@@ -116,10 +115,9 @@ def plot_front(path: Path, records: list[dict], baselines: list[dict], title: st
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
-    tmp.replace(path)
 
 
 def save_solution(model, tokenizer, cand: Candidate, record: dict, out: Path, *, source: str, source_hash: str, config: dict, overwrite: bool):

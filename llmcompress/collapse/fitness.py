@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from llmcompress.collapse.operator import collapse_group
 from llmcompress.collapse.space import Candidate
 from llmcompress.io.adapters import get_adapter
+from llmcompress.io.atomic import atomic_path
 from llmcompress.io.forward import boundary_states, run_layers
 
 if TYPE_CHECKING:
@@ -84,8 +85,8 @@ class StateStore:
             self._states = []
             for i, s in enumerate(states):
                 path = self._dir / f"b{i}.pt"
-                torch.save(s.cpu().contiguous(), self._dir / f".b{i}.tmp")
-                (self._dir / f".b{i}.tmp").replace(path)
+                with atomic_path(path) as tmp:
+                    torch.save(s.cpu().contiguous(), tmp)
                 self._states.append(torch.load(path, mmap=True, weights_only=True))
         else:
             self._states = states
@@ -203,6 +204,10 @@ class Evaluator:
     @property
     def n_layers(self) -> int:
         return len(self.layers)
+
+    def calib_keys(self) -> set[tuple]:
+        """Keys of the candidates scored on calibration data so far (what `stats.evaluations` counts)."""
+        return {k for split, k in self.memo if split == "calib"}
 
     def params_of(self, cand: Candidate) -> int:
         removed = sum(self.layer_params[i] for grp in cand.groups for i in grp[1:])

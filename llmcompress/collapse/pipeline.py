@@ -116,8 +116,8 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
 
     for stale in out_dir.glob(STATES_PREFIX + "*"):  # states spilled to disk by a killed run: never reused
         shutil.rmtree(stale, ignore_errors=True)
+    ev = prepare(cfg, lm, cache_dir=out_dir)  # reads the calibration data: bad data fails before anything is written
     write_json(out_dir / "config.json", cfg.to_dict())
-    ev = prepare(cfg, lm, cache_dir=out_dir)
     try:
         return _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar)
     finally:

@@ -158,11 +158,20 @@ def _number(v):
     return v
 
 
+def _lists(x):
+    """A candidate key (nested tuples) as JSON-ready nested lists."""
+    return [_lists(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tuples(x):
+    return tuple(_tuples(v) for v in x) if isinstance(x, (tuple, list)) else x
+
+
 def _unnumber(v):
     return float(v) if v in ("inf", "-inf", "nan") else v
 
 
-def state_dict(algo, model_id: str, cfg: CollapseConfig, gen: int) -> dict:
+def state_dict(algo, model_id: str, cfg: CollapseConfig, gen: int, evaluated: set = frozenset()) -> dict:
     """Everything `--resume` needs of a pymoo GA/NSGA-II after a finished generation, as plain JSON."""
     pop = algo.pop
     return {
@@ -177,6 +186,7 @@ def state_dict(algo, model_id: str, cfg: CollapseConfig, gen: int) -> dict:
         "X": pop.get("X").astype(int).tolist(),
         "F": [[_number(v) for v in row] for row in pop.get("F")],
         "data": [{k: _number(v) for k, v in ind.data.items()} for ind in pop],
+        "evaluated": sorted(_lists(k) for k in evaluated),  # so a resumed run counts evaluations like an uninterrupted one
     }
 
 
@@ -274,6 +284,8 @@ def run_search(
     algo = make_algorithm(cfg, space, [space.encode(s) for s in seeds])
     problem = CollapseProblem(space, evaluator, cfg.pareto)
     algo.setup(problem, termination=MaximumGenerationTermination(cfg.generations + 1), seed=cfg.seed, verbose=False)
+    # candidates scored before an interruption: a resumed run counts evaluations as an uninterrupted one would
+    evaluated = {_tuples(k) for k in state.get("evaluated", ())} if state is not None else set()
     if state is not None:
         restore_algorithm(state, algo, out_dir / STATE_FILE)
         truncate_log(out_dir / LOG_FILE, algo.n_gen - 2)
@@ -287,7 +299,7 @@ def run_search(
         best = min(front, key=lambda t: t[1].fitness)
         record = {
             "gen": gen,
-            "evaluations": evaluator.stats.evaluations,
+            "evaluations": len(evaluated | evaluator.calib_keys()),
             "evals_per_s": round(evaluator.stats.per_second, 4),
             "best_fitness_calib": best[1].fitness,
             "best_fitness_val": best[2].fitness,
@@ -301,7 +313,8 @@ def run_search(
             ],
         }
         append_jsonl(out_dir / LOG_FILE, record)
-        write_json(out_dir / STATE_FILE, state_dict(algo, model_id, cfg, gen))
+        evaluated |= evaluator.calib_keys()
+        write_json(out_dir / STATE_FILE, state_dict(algo, model_id, cfg, gen, evaluated))
         g = Generation(gen, front, record)
         history.append(g)
         if on_generation is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmcompress.errors import DataError
+from llmcompress.io.atomic import atomic_path
 from llmcompress.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -41,9 +42,8 @@ def token_stream(tokenizer, texts: list[str], *, cache: bool = True) -> torch.Te
     ids = _tokenize_chunked(tokenizer, text)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{id(ids)}.npy")
-        np.save(tmp, ids.numpy().astype(np.int32))
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            np.save(tmp, ids.numpy().astype(np.int32))
     return ids
 
 
@@ -132,12 +132,11 @@ def self_text_blocks(model, tokenizer, seq_len: int, n_blocks: int, seed: int, b
                 max_new_tokens=seq_len - 1, min_new_tokens=seq_len - 1, pad_token_id=tokenizer.pad_token_id,
             )
         out.append(seq[:, :seq_len].cpu())
-        torch.save(out[-1], part.with_suffix(".tmp"))
-        part.with_suffix(".tmp").replace(part)
+        with atomic_path(part) as tmp:
+            torch.save(out[-1], tmp)
     blocks = torch.cat(out)
-    tmp = path.with_suffix(".tmp")
-    torch.save(blocks, tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        torch.save(blocks, tmp)
     shutil.rmtree(parts, ignore_errors=True)
     return blocks
 

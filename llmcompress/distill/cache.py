@@ -14,9 +14,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmcompress.errors import UserError
-from llmcompress.io.atomic import write_json
+from llmcompress.io.atomic import atomic_path, write_json
 
 if TYPE_CHECKING:
     import torch
@@ -105,13 +103,8 @@ class FeatureCache:
         try:
             for i, tensors in enumerate(shards):
                 path = self.shard_path(i)
-                fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.root)
-                os.close(fd)
-                try:
-                    _save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-                    os.replace(tmp, path)
-                finally:
-                    Path(tmp).unlink(missing_ok=True)
+                with atomic_path(path) as tmp:
+                    _save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
                 files.append(path.name)
                 keys = keys or sorted(tensors)
             write_json(self.index_path, {"key": key, "n_shards": len(files), "keys": keys, "files": files, **(meta or {})})

@@ -6,6 +6,18 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any
 
+from llmcompress.spec import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_SEED,
+    MAX_SEQ,
+    MAX_THREADS,
+    MAX_TOKENS,
+    Int,
+    Real,
+    check_ranges,
+)
+
 
 class Mode(str, Enum):
     """Training scheme: layer-wise curriculum, or the conventional end-to-end baseline."""
@@ -131,6 +143,17 @@ class DistillConfig:
         """Learning rate of the --e2e-steps phase."""
         return self.e2e_lr if self.e2e_lr is not None else self.learning_rate * 0.25
 
+    def validate(self) -> None:
+        """Raise UserError on values that are wrong whatever the teacher (layer counts: plan.py)."""
+        from llmcompress.errors import UserError
+
+        check_ranges(self, RANGES)
+        if self.e2e_lr is not None and (self.mode == Mode.E2E or self.e2e_steps < 1):
+            raise UserError(
+                "--e2e-lr sets the learning rate of the --e2e-steps phase, and this run has none",
+                "add --e2e-steps N to a layer-wise run, or use --lr with --mode e2e",
+            )
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         return {k: (v.value if isinstance(v, Enum) else v) for k, v in d.items()}
@@ -149,3 +172,30 @@ class DistillConfig:
         for k in ("eval_tokens", "eval_seq_len", "cache_dir", "prefetch", "e2e_steps", "e2e_lr", "threads"):
             d.pop(k)
         return d
+
+
+# Valid values of the numeric fields (flag names where the CLI has one, config keys otherwise).
+RANGES = {
+    "keep_layers": Int("--keep-layers", 1, MAX_COUNT),
+    "train_tokens": Int("--train-tokens", 1, MAX_TOKENS, note="e.g. --train-tokens 16384"),
+    "epochs": Int("--epochs", 1, MAX_COUNT, note="e.g. --epochs 4 (four passes over train-tokens / 4 distinct tokens)"),
+    "segments": Int("--segments", 1, MAX_COUNT),
+    "seq_len": Int("--seq-len", 2, MAX_SEQ),
+    "batch_size": Int("--batch-size", 1, MAX_BATCH),
+    "lr": Real("--lr", 0.0, 10.0, lo_open=True, note="e.g. --lr 2e-3"),
+    "weight_decay": Real("weight_decay", 0.0, 10.0),
+    "kl_weight": Real("--kl-weight", 0.0, 1e6),
+    "kl_temperature": Real("kl_temperature", 0.0, 1e3, lo_open=True),
+    "kl_positions": Real("kl_positions", 0.0, 1.0, lo_open=True),
+    "ce_weight": Real("--ce-weight", 0.0, 1e6, note="e.g. --ce-weight 0.5 (0 = pure distillation)"),
+    "phase1_fraction": Real("--phase1-fraction", 0.0, 1.0, note="e.g. --phase1-fraction 0.5"),
+    "mix_start": Real("mix_start", 0.0, 1.0),
+    "mix_end": Real("mix_end", 0.0, 1.0),
+    "e2e_steps": Int("--e2e-steps", 0, MAX_COUNT, note="0 turns the end-to-end phase off"),
+    "e2e_lr": Real("--e2e-lr", 0.0, 10.0, lo_open=True, note="e.g. --e2e-lr 5e-4"),
+    "prefetch": Int("prefetch", 0, 64),
+    "eval_tokens": Int("--eval-tokens", 0, MAX_TOKENS, note="0 skips the report's perplexities"),
+    "eval_seq_len": Int("eval_seq_len", 2, MAX_SEQ),
+    "seed": Int("--seed", 0, MAX_SEED),
+    "threads": Int("--threads", 1, MAX_THREADS),
+}

@@ -101,14 +101,12 @@ def logit_steps(run: _Run, model, layers, *, steps: int, lr: float, order: list,
 
 def checkpoint(run: _Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.pt") -> None:
     """Student layers + optimiser state after `step` steps, written atomically to work/`name` (for --resume)."""
-    import os
-
     import torch
 
-    path = run.work / name
-    tmp = path.with_suffix(".tmp")
-    torch.save({"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict()}, tmp)
-    os.replace(tmp, path)
+    from llmcompress.io.atomic import atomic_path
+
+    with atomic_path(run.work / name) as tmp:
+        torch.save({"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict()}, tmp)
 
 
 def restore(run: _Run, layers, opt, steps: int, name: str = "e2e-checkpoint.pt") -> int:

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import resource
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,13 +37,13 @@ from llmcompress.distill.cache import (
 )
 from llmcompress.distill.config import DistillConfig, Mode
 from llmcompress.distill.dist import DistInfo
-from llmcompress.distill.plan import check_config, load_blocks, plan_student, prepare_out
+from llmcompress.distill.plan import load_blocks, plan_student, prepare_out
 from llmcompress.distill.segments import (
     Segment,
     segment_layout,
     teacher_boundaries,
 )
-from llmcompress.io.atomic import append_jsonl, write_json
+from llmcompress.io.atomic import append_jsonl, atomic_path, write_json
 
 
 def peak_rss_mb() -> float:
@@ -218,14 +216,8 @@ def _segment_state(run: _Run, seg: Segment) -> dict:
 def _save_segment(run: _Run, seg: Segment, phase: int, tensors: dict) -> None:
     from safetensors.torch import save_file
 
-    path = _segment_file(run, seg, phase)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with atomic_path(_segment_file(run, seg, phase)) as tmp:
+        save_file(tensors, str(tmp))
 
 
 def _load_segment(run: _Run, seg: Segment, phase: int) -> None:
@@ -371,6 +363,7 @@ def distill(
     overwrite: bool = False,
     resume: bool = False,
     dist: DistInfo | None = None,
+    keep_work: bool = False,
 ) -> DistillResult:
     """Distil a smaller student from `cfg.teacher` into `out` (see the module docstring).
 
@@ -381,13 +374,15 @@ def distill(
         overwrite: replace an existing `out`.
         resume: continue an interrupted run in `out` (same settings required).
         dist: this process's place in a torch.distributed group (None: single process).
+        keep_work: keep `out/work` (segment weights, student features, resume state) after success;
+            by default it is removed once the student and the report are written.
     """
     import torch
 
     from llmcompress.io.load import load_model
     from llmcompress.runtime import resolve_device, seed_everything
 
-    check_config(cfg)
+    cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dist = dist or DistInfo()
@@ -434,6 +429,10 @@ def distill(
     from llmcompress.distill.report import write_report
 
     write_report(out, cfg, metrics)
+    if not keep_work:  # only what --resume needed: the finished run does not (hundreds of MB on a real model)
+        import shutil
+
+        shutil.rmtree(run.work, ignore_errors=True)
     return DistillResult(out, student_dir, layer_map, segments, metrics)
 
 
@@ -513,8 +512,8 @@ def _layerwise(run: _Run, lm, keep: list[int] | None, blocks, metrics: dict):
         t3 = time.perf_counter()
         if not run.state.get("e2e_done"):
             _e2e_from_cache(run, cfg.e2e_steps)
-            torch.save({k: v for k, v in model.state_dict().items()}, run.work / "e2e.pt.tmp")
-            os.replace(run.work / "e2e.pt.tmp", run.work / "e2e.pt")
+            with atomic_path(run.work / "e2e.pt") as tmp:
+                torch.save({k: v for k, v in model.state_dict().items()}, tmp)
             run.state["e2e_done"] = True
             run.save_state()
         else:

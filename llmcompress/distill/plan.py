@@ -7,7 +7,7 @@ import math
 import shutil
 from pathlib import Path
 
-from llmcompress.distill.config import DistillConfig, Mode
+from llmcompress.distill.config import DistillConfig
 from llmcompress.distill.dist import DistInfo
 from llmcompress.distill.segments import (
     bi_keep,
@@ -27,6 +27,15 @@ def prepare_out(cfg: DistillConfig, out: Path, overwrite: bool, resume: bool, di
         check_out_dir(out, overwrite=overwrite, resume=resume)
     state_path = out / "work" / "state.json"
     state: dict = {}
+    finished = out / "student" / "llmcompress.json"  # a finished run's work/ is gone; its manifest has the settings
+    if resume and not state_path.is_file() and finished.is_file():
+        stored = json.loads(finished.read_text()).get("config") or {}
+        if saved_settings({k: v for k, v in stored.items() if k in cfg.result_dict()}) != cfg.result_dict():
+            raise UserError(
+                f"--resume: {out} holds a run with different settings",
+                "rerun with the same options, or use --overwrite to start again",
+            )
+        raise UserError(f"--resume: {out} holds a finished run, there is nothing to resume", "use --overwrite to run it again")
     if resume and state_path.is_file():
         state = json.loads(state_path.read_text())
         if saved_settings(state.get("config") or {}) != cfg.result_dict():
@@ -131,24 +140,14 @@ def plan_student(cfg: DistillConfig, model, blocks) -> tuple[list[dict], list[in
     return layer_map_from_keep(keep), keep
 
 
-def check_config(cfg: DistillConfig) -> None:
-    if cfg.train_tokens < 1:
-        raise UserError(f"--train-tokens {cfg.train_tokens} must be positive", "e.g. --train-tokens 16384")
-    if cfg.epochs < 1:
-        raise UserError(f"--epochs {cfg.epochs} must be 1 or more", "e.g. --epochs 4 (four passes over train-tokens / 4 distinct tokens)")
-    if not 0.0 <= cfg.phase1_fraction <= 1.0:
-        raise UserError("--phase1-fraction must be within [0, 1]", "e.g. 0.5")
-    if not 0.0 < cfg.kl_positions <= 1.0:
-        raise UserError("--kl-positions must be within (0, 1]", "e.g. 0.25")
-    for flag, value in (("--lr", cfg.lr), ("--e2e-lr", cfg.e2e_lr)):
-        if value is not None and not value > 0.0:
-            raise UserError(f"{flag} {value} must be positive", f"e.g. {flag} 5e-4")
-    if cfg.e2e_lr is not None and (cfg.mode == Mode.E2E or cfg.e2e_steps < 1):
-        raise UserError(
-            "--e2e-lr sets the learning rate of the --e2e-steps phase, and this run has none",
-            "add --e2e-steps N to a layer-wise run, or use --lr with --mode e2e",
-        )
-    if not cfg.ce_weight >= 0.0:
-        raise UserError(f"--ce-weight {cfg.ce_weight} must be 0 or more", "e.g. --ce-weight 0.5 (0 = pure distillation)")
-    if cfg.batch_size < 1 or cfg.seq_len < 2:
-        raise UserError("--batch-size must be 1 or more and --seq-len 2 or more", "")
+
+def feature_cache_bytes(cfg: DistillConfig) -> float:
+    """Rough size of the teacher feature cache: boundary states of the distinct training tokens (0 if the
+    teacher's config is not on disk yet). An upper bound: one boundary per teacher layer at most."""
+    from llmcompress.io.preflight import model_config
+
+    config = model_config(cfg.teacher)
+    hidden, layers = config.get("hidden_size", config.get("n_embd", 0)), config.get("num_hidden_layers", config.get("n_layer", 0))
+    boundaries = min(layers, cfg.segments or cfg.keep_layers or layers) + 1
+    per_value = {"fp32": 4}.get(cfg.cache_dtype.value, 2)
+    return boundaries * math.ceil(cfg.train_tokens / cfg.epochs) * hidden * per_value

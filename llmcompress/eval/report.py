@@ -6,6 +6,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from llmcompress.spec import MAX_BATCH, MAX_SEQ, MAX_TOKENS, Int, Real, check_ranges
+
 
 @dataclass
 class EvalSpec:
@@ -20,8 +22,20 @@ class EvalSpec:
     include_tasks: str | None = None
     speed: bool = True
 
+    def validate(self) -> None:
+        """Raise UserError on out-of-range numbers (before any model loads)."""
+        check_ranges(self, RANGES)
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+RANGES = {
+    "seq_len": Int("--seq-len", 2, MAX_SEQ),
+    "max_tokens": Int("--max-tokens", 0, MAX_TOKENS, note="0 scores all tokens; e.g. --max-tokens 16384"),
+    "batch_size": Int("--batch-size", 1, MAX_BATCH, note="e.g. --batch-size 4"),
+    "limit": Real("--limit", 0.0, 1e9, lo_open=True, note="a count of samples per task, or a fraction below 1"),
+}
 
 
 def evaluate(lm, spec: EvalSpec, path: str | None = None) -> dict:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from llmcompress import spec
 from llmcompress.errors import UserError
+from llmcompress.spec import MAX_BATCH, MAX_COUNT, MAX_SEED, MAX_SEQ, MAX_TOKENS, Int, Real
 
 MODES = ("joint", "sequential", "uniform")
 COST_MODELS = ("lut", "analytic")
@@ -117,34 +118,55 @@ class NasConfig:
         for b in self.baselines:
             if b not in MODES:
                 raise UserError(f"unknown baseline mode {b!r}", f"use any of {', '.join(MODES)}")
+        spec.check_ranges(self, RANGES)
         if not self.targets():
             raise UserError("no target given", "pass --target-latency R, --target-size-mb M or --target-bits B")
-        bad = [b for b in self.bits if not (isinstance(b, int) and 2 <= b <= 16)]
-        if bad or not self.bits:
-            raise UserError(f"bit widths {bad or self.bits} are outside 2..16", "use e.g. --bits 2,3,4,8,16")
-        if self.target_latency is not None and not 0 < self.target_latency:
-            raise UserError(f"--target-latency must be positive, got {self.target_latency}", "e.g. 0.6 (relative to dense)")
-        if self.target_size_mb is not None and self.target_size_mb <= 0:
-            raise UserError(f"--target-size-mb must be positive, got {self.target_size_mb}", "e.g. --target-size-mb 60")
+        if not self.bits:
+            raise UserError("no bit widths given", "use e.g. --bits 2,3,4,8,16")
         if self.target_bits is not None and not min(self.bits) <= self.target_bits <= 16:
             raise UserError(
                 f"--target-bits {self.target_bits} is outside the reachable range {min(self.bits)}..{max(self.bits)}",
                 "choose a target between the smallest and largest of --bits",
             )
-        if self.group_size < 0:
-            raise UserError(f"group size must be positive, got {self.group_size}", "e.g. --group-size 64")
-        if not self.width_choices or any(not 0 < w <= 1 for w in self.width_choices):
-            raise UserError(f"width choices {self.width_choices} must lie in (0, 1]", "e.g. [0.25, 0.5, 0.75, 1.0]")
+        if not self.width_choices:
+            raise UserError("no width choices given", "e.g. width_choices: [0.25, 0.5, 0.75, 1.0]")
         if self.cost_model not in COST_MODELS:
             raise UserError(f"unknown cost model {self.cost_model!r}", f"use one of {', '.join(COST_MODELS)}")
         if self.quant_method not in ("rtn", "gptq"):
             raise UserError(f"unknown quantization method {self.quant_method!r}", "use rtn or gptq")
         if self.train_tokens < self.seq_len * self.batch_size:
             raise UserError(f"--train-tokens must be at least {self.seq_len * self.batch_size}", "one batch at least")
-        if self.refine_evals < 0 or self.refine_blocks < 1:
-            raise UserError("refine_evals must be >= 0 and refine_blocks >= 1", "e.g. refine_evals: 24, refine_blocks: 32")
-        if not 0 < self.min_keep_frac <= 1:
-            raise UserError("min_keep_frac must lie in (0, 1]", "e.g. 0.5")
+
+
+# Valid values of the numeric fields (flag names where the CLI has one, spec keys otherwise); cross-field
+# checks (target bits within the bit widths, tokens for one batch) are in NasConfig.validate.
+RANGES = {
+    "target_latency": Real("--target-latency", 0.0, 100.0, lo_open=True, note="e.g. --target-latency 0.6 (relative to dense)"),
+    "target_size_mb": Real("--target-size-mb", 0.0, 1e9, lo_open=True, note="e.g. --target-size-mb 60"),
+    "target_bits": Real("--target-bits", 0.0, 16.0, lo_open=True, note="e.g. --target-bits 4"),
+    "bits": Int("--bits", 2, 16, note="use e.g. --bits 2,3,4,8,16"),
+    "group_size": Int("--group-size", 0, MAX_SEQ, note="0 picks one; e.g. --group-size 64"),
+    "width_choices": Real("width_choices", 0.0, 1.0, lo_open=True),
+    "min_keep_frac": Real("min_keep_frac", 0.0, 1.0, lo_open=True),
+    "context_len": Int("context_len", 1, MAX_SEQ),
+    "train_tokens": Int("--train-tokens", 1, MAX_TOKENS),
+    "seq_len": Int("seq_len", 2, MAX_SEQ),
+    "batch_size": Int("batch_size", 1, MAX_BATCH),
+    "lr": Real("lr", 0.0, 10.0, lo_open=True),
+    "tau_start": Real("tau_start", 0.0, 1e6, lo_open=True),
+    "tau_end": Real("tau_end", 0.0, 1e6, lo_open=True),
+    "lam": Real("lam", 0.0, 1e9),
+    "hidden_mse": Real("hidden_mse", 0.0, 1e6),
+    "gptq_blocks": Int("gptq_blocks", 1, MAX_COUNT),
+    "init_kappa": Real("init_kappa", 0.0, 1e6),
+    "sensitivity_blocks": Int("sensitivity_blocks", 1, MAX_COUNT),
+    "refine_evals": Int("refine_evals", 0, MAX_COUNT, note="0 turns refinement off"),
+    "refine_blocks": Int("refine_blocks", 1, MAX_COUNT),
+    "checkpoint_every": Int("checkpoint_every", 1, MAX_COUNT),
+    "eval_tokens": Int("--eval-tokens", 0, MAX_TOKENS, note="0 skips the report's perplexity"),
+    "eval_seq_len": Int("eval_seq_len", 2, MAX_SEQ),
+    "seed": Int("--seed", 0, MAX_SEED),
+}
 
 
 def config_from_dict(d: dict[str, Any], base: NasConfig | None = None) -> NasConfig:

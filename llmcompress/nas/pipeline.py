@@ -60,15 +60,12 @@ def _row(name, space, result, extra) -> dict:
 
 
 def _cost_models(model, space, cfg, out: Path, resume: bool):
-    from llmcompress.io.atomic import write_json
+    """The cost models (a measured LUT is reused on --resume; the caller saves it once the data has loaded)."""
     from llmcompress.nas.cost import build_cost_models
 
     lut_path = out / "lut.json"
     lut = json.loads(lut_path.read_text()) if (resume and cfg.cost_model == "lut" and lut_path.is_file()) else None
-    costs = build_cost_models(model, space, cfg.cost_model, cfg.context_len, lut)
-    if costs.lut is not None:
-        write_json(lut_path, costs.lut)
-    return costs
+    return build_cost_models(model, space, cfg.cost_model, cfg.context_len, lut)
 
 
 def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool = False) -> NasRun:
@@ -95,7 +92,9 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
     space = build_space(teacher, cfg)
     costs = _cost_models(teacher, space, cfg, out, resume)
     S.check_reachable(costs, cfg)
-    blocks, held_out = _blocks(tok, cfg)
+    blocks, held_out = _blocks(tok, cfg)  # bad data fails here, before anything is written to --out
+    if costs.lut is not None:
+        write_json(out / "lut.json", costs.lut)
     imp = mlp_channel_importance(teacher, blocks[: min(8, len(blocks))])
     permute_mlp_(teacher, [i.argsort(descending=True, stable=True) for i in imp])
 

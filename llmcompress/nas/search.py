@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,11 +38,10 @@ def tau_at(cfg: NasConfig, step: int, steps: int) -> float:
 
 
 def _save_state(path: Path, state: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    from llmcompress.io.atomic import atomic_path
+
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
 
 
 def distill_loss(t_out, s_out, hidden_mse: float) -> torch.Tensor:
