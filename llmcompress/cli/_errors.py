@@ -48,7 +48,7 @@ def run_app(app, argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     _run.update(out=None, signal=None)
-    previous = _sigterm_interrupts()
+    previous = _install_handlers()
     try:
         code = app(args=argv, prog_name="llmcompress", standalone_mode=False)
         # typer turns KeyboardInterrupt into Exit(130) and, without standalone mode, returns that code
@@ -88,22 +88,49 @@ def run_app(app, argv: list[str] | None = None) -> int:
 
 def _interrupted(argv: list[str]) -> int:
     print(interrupt_line(argv), file=sys.stderr)
+    # CPython quirk: a KeyboardInterrupt that surfaced inside a string exec (dataclasses and namedtuple
+    # build their methods that way, so any import can be mid-exec) sets a runtime flag that survives our
+    # handling, and `python -m llmcompress` then kills itself with SIGINT at exit (status -2, not 130).
+    # Every string exec resets that flag when it starts, so one harmless exec clears it.
+    exec("None", {})  # noqa: S102 - a constant string, run only to reset that flag
     return INTERRUPTED
 
 
-def _raise_interrupt(signum, frame):
+def _unsafe_to_raise(frame) -> bool:
+    """Inside an import, a destructor or a weakref finalizer, where an exception is lost or changed."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.startswith("<frozen importlib._bootstrap") or code.co_name == "__del__" or code.co_filename.endswith("weakref.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _on_signal(signum, frame):
+    """Ctrl-C or SIGTERM: raise KeyboardInterrupt, so `finally` blocks clean up on the way out. Not inside an
+    import or a destructor, though: transformers' lazy modules turn an exception in an import into a
+    ModuleNotFoundError, and Python ignores one raised in `__del__` (the run went on to exit 0). There the
+    signal is sent again shortly, and acted on once that code is done."""
     _run["signal"] = signum
+    if _unsafe_to_raise(frame):
+        import threading
+
+        timer = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+        timer.daemon = True
+        timer.start()
+        return
     raise KeyboardInterrupt
 
 
-def _sigterm_interrupts() -> dict:
-    """SIGTERM (kill, a scheduler's time limit) unwinds like Ctrl-C, so cleanup runs (spilled caches, temp
-    files) and the same interrupt line is printed. Both signals are recorded, so an interrupt that library
-    code turns into another exception still exits 130. Returns the previous handlers (none off the main thread)."""
+def _install_handlers() -> dict:
+    """Route SIGINT and SIGTERM (kill, a scheduler's time limit) to `_on_signal`; returns the previous
+    handlers (none off the main thread; an ignored SIGINT, as in a background job, stays ignored)."""
     previous = {}
     for signum in (signal.SIGINT, signal.SIGTERM):
         try:
-            previous[signum] = signal.signal(signum, _raise_interrupt)
+            if signum == signal.SIGINT and signal.getsignal(signum) is signal.SIG_IGN:
+                continue
+            previous[signum] = signal.signal(signum, _on_signal)
         except ValueError:  # not the main thread of the main interpreter
-            break
+            pass
     return previous

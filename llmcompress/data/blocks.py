@@ -36,7 +36,7 @@ def token_stream(tokenizer, texts: list[str], *, cache: bool = True) -> torch.Te
     path = cache_dir() / "tokens" / f"{key}.npy"
     if cache and path.is_file():
         try:
-            return torch.from_numpy(np.load(path).astype(np.int64))
+            return torch.from_numpy(np.load(path, allow_pickle=False).astype(np.int64))
         except (OSError, ValueError):
             path.unlink(missing_ok=True)  # a bad cache entry is rebuilt
     ids = _tokenize_chunked(tokenizer, text)
