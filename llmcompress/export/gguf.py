@@ -177,6 +177,9 @@ def tokenizer_kv(tokenizer, vocab_size: int) -> tuple[list[tuple[str, Any, Any, 
         for text, _score, ttype in vocab.all_tokens():
             toks.append(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text)
             types.append(int(ttype))
+        for tid in getattr(tokenizer, "all_special_ids", []):  # special tokens are CONTROL, as convert_hf_to_gguf.py
+            if 0 <= tid < len(types):
+                types[tid] = int(gguf.TokenType.CONTROL)
         if len(toks) < vocab_size:  # padded embedding rows, as convert_hf_to_gguf.py does
             toks += [f"[PAD{i}]" for i in range(len(toks), vocab_size)]
             types += [int(gguf.TokenType.UNUSED)] * (vocab_size - len(types))
