@@ -235,3 +235,59 @@ def test_export_cli_compressed_tensors_from_hf_dir(tmp_path, tiny_hf_dir, capsys
     manifest = json.loads((out / "llmcompress.json").read_text())
     assert manifest["bytes_on_disk"] == (out / "model.safetensors").stat().st_size
     assert manifest["export"]["plan"]["entries"]
+
+
+def _header_dtypes(path) -> set[str]:
+    import struct
+
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+def test_saved_dtype_follows_source_and_save_dtype_overrides(tmp_path, tiny_hf_dir):
+    from llmcompress.io.checkpoint import save_checkpoint
+    from llmcompress.io.dtypes import save_dtype_for
+    from llmcompress.io.load import load_model
+
+    bf16_src = tmp_path / "bf16-src"
+    m = _tiny(256, tied=False)
+    m.to(torch.bfloat16).save_pretrained(bf16_src)
+    lm = load_model(str(bf16_src))  # computes in float32
+    assert next(lm.model.parameters()).dtype == torch.float32 and lm.source_dtype == "bfloat16"
+    save_checkpoint(lm.model, None, tmp_path / "a", manifest={"method": "t"}, dtype=save_dtype_for(lm))
+    save_checkpoint(lm.model, None, tmp_path / "b", manifest={"method": "t"}, dtype=save_dtype_for(lm, "float32"))
+    save_checkpoint(lm.model, None, tmp_path / "c", manifest={"method": "t"}, dtype=save_dtype_for(lm, "float16"))
+    assert next(lm.model.parameters()).dtype == torch.float32  # the caller's model is not cast
+    assert _header_dtypes(tmp_path / "a" / "model.safetensors") == {"BF16"}
+    assert _header_dtypes(tmp_path / "b" / "model.safetensors") == {"F32"}
+    assert _header_dtypes(tmp_path / "c" / "model.safetensors") == {"F16"}
+    a, b = (json.loads((tmp_path / d / "llmcompress.json").read_text()) for d in "ab")
+    assert a["dtype"] == "bfloat16" and a["parameters"] == b["parameters"]
+    assert a["bytes_on_disk"] == (tmp_path / "a" / "model.safetensors").stat().st_size
+    assert a["bytes_on_disk"] <= 0.51 * b["bytes_on_disk"]
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["dtype"] == "bfloat16"
+    again = load_model(str(tmp_path / "a"))
+    assert again.source_dtype == "bfloat16"
+    ref = lm.model.model.layers[0].mlp.up_proj.weight.detach().to(torch.bfloat16).float()
+    assert torch.equal(again.model.model.layers[0].mlp.up_proj.weight.detach(), ref)
+    assert load_model(str(tiny_hf_dir)).source_dtype == "float32"
+
+
+def test_gguf_source_is_bfloat16():
+    from llmcompress.io.dtypes import detect_source_dtype
+
+    assert detect_source_dtype("alias", "smollm2-135m") == "bfloat16"
+
+
+def test_collapse_and_distill_configs_take_save_dtype():
+    from llmcompress.collapse.config import CollapseConfig
+    from llmcompress.distill import DistillConfig
+    from llmcompress.errors import UserError
+
+    CollapseConfig(pareto=True, save_dtype="float16").validate()
+    with pytest.raises(UserError, match="unknown save dtype"):
+        CollapseConfig(pareto=True, save_dtype="int8").validate()
+    with pytest.raises(UserError, match="unknown save dtype"):
+        DistillConfig(keep_layers=2, save_dtype="fp8")
