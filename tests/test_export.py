@@ -307,3 +307,54 @@ def test_old_packed_folder_is_refused(tmp_path, tiny_hf_dir):
     (old / "packed.json").write_text("{}")
     with pytest.raises(UserError, match="old llmcompress packed checkpoint"):
         load_model(str(old))
+
+
+def test_export_with_a_nas_plan(tmp_path, bpe_tokenizer):
+    from llmcompress.errors import UserError
+    from llmcompress.export.api import ExportOptions, quantize_for_export
+    from llmcompress.export.gguf import write_gguf
+
+    model = _tiny(len(bpe_tokenizer))
+    plan = MixedPrecisionPlan()
+    plan["model.layers.0.mlp.down_proj"] = QuantConfig(bits=8, group_size=64)  # nas plans are asymmetric
+    plan["model.layers.1.self_attn.q_proj"] = QuantConfig(bits=16, group_size=64)
+    plan[r"re:.*layers.*"] = QuantConfig(bits=4, group_size=64)
+    plan["_default"] = None
+    (tmp_path / "arch.json").write_text(json.dumps({"plan": plan.to_dict()}))
+    qweights, info = quantize_for_export(model, bpe_tokenizer, "gguf", ExportOptions(plan=tmp_path / "arch.json"), progress=False)
+    assert qweights["model.layers.0.mlp.down_proj"].sym and "model.layers.1.self_attn.q_proj" not in qweights
+    assert any("down_proj: 8-bit quantized symmetric" in n for n in info["notes"])
+    write_gguf(model, tmp_path / "m.gguf", qweights=qweights, float_dtype="float16", tokenizer=bpe_tokenizer)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    assert (types["blk.0.ffn_down.weight"], types["blk.1.attn_q.weight"], types["blk.1.attn_k.weight"]) == ("Q8_0", "F16", "Q4_1")
+    plan["model.layers.0.mlp.up_proj"] = QuantConfig(bits=3, group_size=64)
+    (tmp_path / "bad.json").write_text(json.dumps({"plan": plan.to_dict()}))
+    with pytest.raises(UserError, match="up_proj: GGUF has no 3-bit block"):
+        quantize_for_export(_tiny(len(bpe_tokenizer)), bpe_tokenizer, "gguf", ExportOptions(plan=tmp_path / "bad.json"), progress=False)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_export_tokenizer_size_and_logits(tmp_path, smollm2):
+    """The real model at 4-bit symmetric groups of 32 (Q4_0, embedding Q8_0): no larger than the Q4_1 GGUF it
+    ships in, its tokenizer is the shipped one, and transformers runs it with the in-torch model's logits."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmcompress.export.api import ExportOptions, quantize_for_export
+    from llmcompress.export.gguf import write_gguf
+    from llmcompress.io.load import ALIASES, alias_gguf_path
+
+    model = copy.deepcopy(smollm2.model)
+    qweights, _ = quantize_for_export(model, smollm2.tokenizer, "gguf", ExportOptions(bits=4, group_size=32, sym=True), progress=False)
+    res = write_gguf(model, tmp_path / "q4.gguf", qweights=qweights, float_dtype="bfloat16", tokenizer=smollm2.tokenizer)
+    assert res["tokenizer"].startswith("copied from") and res["tensor_types"] == {"Q8_0": 1, "Q4_0": 210, "F32": 61}
+    assert res["bytes"] <= alias_gguf_path(ALIASES["smollm2-135m"]).stat().st_size
+    tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="q4.gguf")
+    text = "The quick brown fox jumps over the lazy dog, 1234."
+    assert tok.encode(text) == smollm2.tokenizer.encode(text)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="q4.gguf", dtype=torch.float32).eval()
+    ids = torch.tensor([smollm2.tokenizer.encode(text)])
+    with torch.no_grad():
+        ref, got = model(ids).logits, loaded(ids).logits
+    assert ((got - ref).abs().max() / ref.abs().max()) <= 1e-5
