@@ -98,6 +98,7 @@ class CollapseConfig:
     eval_tokens: int = 2048
     eval_seq_len: int = 512
     piqa_limit: int = 20
+    save_dtype: str | None = None  # dtype of saved checkpoints (None: the source model's; io/dtypes.py)
     version: int = 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,7 +106,7 @@ class CollapseConfig:
 
     def fingerprint(self) -> str:
         """Hash of the fields that decide the search result (a resume must match it)."""
-        skip = {"save", "eval_tokens", "eval_seq_len", "piqa_limit", "max_cache_gb", "generations"}
+        skip = {"save", "eval_tokens", "eval_seq_len", "piqa_limit", "max_cache_gb", "generations", "save_dtype"}
         d = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -115,6 +116,10 @@ class CollapseConfig:
             raise UserError(f"unknown method {self.method!r}", f"use one of {', '.join(METHODS)}")
         spec.check_ranges(self, RANGES)
         self.save_counts()
+        if self.save_dtype is not None:
+            from llmcompress.io.dtypes import torch_dtype
+
+            torch_dtype(self.save_dtype)  # UserError on an unknown name
         if not self.pareto and self.target_layers is None and self.ratio is None:
             raise UserError("no layer budget given", "pass --pareto, --target-layers N or --ratio R")
         if 0.0 not in self.alpha_grid or 1.0 not in self.alpha_grid:

@@ -120,7 +120,8 @@ def plot_front(path: Path, records: list[dict], baselines: list[dict], title: st
     plt.close(fig)
 
 
-def save_solution(model, tokenizer, cand: Candidate, record: dict, out: Path, *, source: str, source_hash: str, config: dict, overwrite: bool):
+def save_solution(model, tokenizer, cand: Candidate, record: dict, out: Path, *, source: str, source_hash: str, config: dict, overwrite: bool,
+                  dtype: str | None = None):
     """Write the collapsed model as a HF checkpoint with its layer map in the manifest."""
     from llmcompress.io.checkpoint import build_manifest, save_checkpoint
 
@@ -134,7 +135,7 @@ def save_solution(model, tokenizer, cand: Candidate, record: dict, out: Path, *,
         metrics=metrics,
         extra={"layer_map": cand.layer_map(), "original_layers": sum(len(g) for g in cand.groups)},
     )
-    save_checkpoint(new, tokenizer, out, manifest=manifest, overwrite=overwrite)
+    save_checkpoint(new, tokenizer, out, manifest=manifest, overwrite=overwrite, dtype=dtype)
     return new
 
 
@@ -185,6 +186,10 @@ def write_report(path: Path, rows: list[dict], meta: dict) -> None:
             f"| {r['name']} | {r['layers']} | {r['params'] / 1e6:.1f}M | {_fmt(r.get('kl_calib'))} | {_fmt(r.get('kl_val'))} | "
             f"{_fmt(r.get('ppl_wikitext2'), '.2f')} | {_fmt(r.get('piqa_acc'))} | {r.get('changes', '')} |"
         )
+    saved = [r for r in rows if r.get("bytes_on_disk")]
+    if saved:
+        lines += ["", "Checkpoints on disk: " + "; ".join(
+            f"{r['name']}: {r['bytes_on_disk'] / 1e6:.1f} MB ({r.get('dtype')}, {r['params'] / 1e6:.1f}M parameters)" for r in saved)]
     errors = sorted({r[k] for r in rows for k in ("ppl_error", "piqa_error") if r.get(k)})
     if errors:
         lines += ["", "Notes:"] + [f"- {e}" for e in errors]

@@ -426,7 +426,14 @@ def distill(
         metrics["student_ppl"] = _eval_ppl(student, run.tokenizer, cfg)
     metrics["wall_s"] = round(time.perf_counter() - t_start, 2)
     student_dir = _save(run, student, lm, layer_map, metrics)
+    import json
+
     from llmcompress.distill.report import write_report
+    from llmcompress.io.checkpoint import MANIFEST
+
+    saved = json.loads((student_dir / MANIFEST).read_text())
+    metrics["student_bytes_on_disk"], metrics["student_dtype"] = saved.get("bytes_on_disk"), saved.get("dtype")
+    write_json(out / "metrics.json", metrics)
 
     write_report(out, cfg, metrics)
     if not keep_work:  # only what --resume needed: the finished run does not (hundreds of MB on a real model)
@@ -531,6 +538,9 @@ def _save(run: _Run, student, lm, layer_map: list[dict], metrics: dict) -> Path:
         extra={"layer_map": layer_map, "segments": metrics["segments"]},
     )
     student.eval()
-    path = save_checkpoint(student, run.tokenizer, run.out / "student", manifest=manifest, overwrite=True)
+    from llmcompress.io.dtypes import save_dtype_for
+
+    path = save_checkpoint(student, run.tokenizer, run.out / "student", manifest=manifest, overwrite=True,
+                           dtype=save_dtype_for(lm, run.cfg.save_dtype))
     write_json(run.out / "metrics.json", metrics)
     return path

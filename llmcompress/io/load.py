@@ -54,6 +54,7 @@ class LoadedModel:
     adapter: ArchAdapter
     source_hash: str = ""
     manifest: dict = field(default_factory=dict)  # the llmcompress.json of the source, if any
+    source_dtype: str = "float32"  # dtype the source is distributed in (io/dtypes.py); outputs are saved in it
 
     @property
     def config(self):
@@ -304,7 +305,7 @@ def _looks_like_hub_id(spec: str) -> bool:
 
 
 def resolve(spec: str, allow_pickle: bool | None = None) -> tuple[str, Path | str]:
-    """Classify a model spec: ("alias"|"dir"|"gguf"|"zipped"|"packed"|"hub", location). Raises UserError."""
+    """Classify a model spec: ("alias"|"dir"|"gguf"|"zipped"|"hub", location). Raises UserError."""
     if spec in ALIASES:
         return "alias", spec
     path = Path(spec).expanduser()
@@ -318,10 +319,9 @@ def resolve(spec: str, allow_pickle: bool | None = None) -> tuple[str, Path | st
             raise ModelNotFound(f"{path} is a file, not a model", "pass a model directory, a .gguf file or an alias")
         if _is_zipped(path):
             return "zipped", path
-        if (path / "packed.json").is_file():
-            for w in path.glob("*.safetensors"):
-                validate_safetensors(w)
-            return "packed", path
+        if (path / "packed.json").is_file():  # the old nas packed/ format: refused, never loaded as a wrong model
+            raise UserError(f"{path} is an old llmcompress packed checkpoint, which is no longer supported",
+                            "re-run nas with --export gguf or --export compressed-tensors")
         _check_model_dir(path, allow_pickle)
         return "dir", path
     if _looks_like_hub_id(spec):
@@ -350,8 +350,7 @@ def load_model(
 
     Args:
         spec: an alias (`smollm2-135m`), a local HF directory, a `.gguf` file, a zipped checkpoint
-            directory (`llmcompress zip`), a packed mixed-precision checkpoint (`llmcompress nas`), or
-            a hub id (needs the network).
+            directory (`llmcompress zip`), or a hub id (needs the network).
         dtype: torch dtype of the weights (float32 by default).
         device: where to put the model.
         trust_remote_code: passed to transformers; off unless asked.
@@ -377,11 +376,6 @@ def load_model(
 
         model, tok = load_zipped_model(Path(where), dtype=dtype)
         manifest = _read_manifest(Path(where))
-    elif kind == "packed":
-        from llmcompress.nas.packed import load_packed
-
-        model, tok = load_packed(Path(where), dtype=dtype)
-        manifest = _read_manifest(Path(where))
     elif kind == "dir":
         model, tok = _from_dir(Path(where), dtype, trust_remote_code, allow_pickle)
         manifest = _read_manifest(Path(where))
@@ -393,7 +387,9 @@ def load_model(
         tok.pad_token = tok.eos_token
     log.info("loaded %s (%s) in %.1fs", spec, kind, time.perf_counter() - t0)
     adapter = adapter_for_type(model.config.model_type)
-    return LoadedModel(model, tok, str(spec), adapter, source_hash, manifest)
+    from llmcompress.io.dtypes import detect_source_dtype
+
+    return LoadedModel(model, tok, str(spec), adapter, source_hash, manifest, detect_source_dtype(kind, where))
 
 
 def _read_manifest(path: Path) -> dict:
