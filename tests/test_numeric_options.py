@@ -19,6 +19,7 @@ BASE = {
     "nas": ["/no/such/model", "--target-bits", "4"],
     "zip": ["/no/such/model"],
     "unzip": ["/no/such/model"],
+    "export": ["/no/such/model", "--to", "gguf"],
 }
 
 HUGE, HUGE_F, SEED_OVER = str(10**13), "1e30", str(2**40)
@@ -75,6 +76,7 @@ BAD = {
     },
     "zip": {"--threads": ["-1", HUGE], "--chunk-kb": ["0", "-1", HUGE]},
     "unzip": {"--threads": ["-1", HUGE]},
+    "export": {"--bits": ["0", "-1", HUGE], "--group-size": ["-1", HUGE], "--seed": ["-1", SEED_OVER]},
 }
 
 CASES = [(cmd, flag, v) for cmd, flags in BAD.items() for flag, values in flags.items() for v in values]

@@ -54,8 +54,11 @@ class ExportOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, to: str) -> None:
+        from llmcompress import spec
+
         if to not in FORMATS:
             raise UserError(f"unknown export format {to!r}", f"use --to {' or --to '.join(FORMATS)}")
+        spec.check_ranges(self, RANGES)
         if self.plan is None and self.bits not in (4, 5, 8, 16):
             raise UserError(f"--bits {self.bits} is not supported", "use 4, 5, 8 or 16")
         if self.quant not in ("rtn", "gptq"):
@@ -69,6 +72,20 @@ class ExportOptions:
 
     def group_for(self, to: str) -> int:
         return self.group_size or (32 if to == "gguf" else 128)
+
+
+def _ranges():
+    from llmcompress.spec import MAX_COUNT, MAX_SEED, MAX_SEQ, Int
+
+    return {
+        "bits": Int("--bits", 2, 16, note="use 4, 5, 8 or 16"),
+        "group_size": Int("--group-size", 0, MAX_SEQ, note="use 32, 64 or 128 (0: 32 for gguf, 128 for compressed-tensors)"),
+        "calib_blocks": Int("calib_blocks", 1, MAX_COUNT),
+        "seed": Int("--seed", 0, MAX_SEED),
+    }
+
+
+RANGES = _ranges()  # checked by ExportOptions.validate before any model loads, like every engine's config
 
 
 def load_plan(path: Path) -> MixedPrecisionPlan:
