@@ -112,11 +112,11 @@ def hub_reachable(timeout: float = 2.0) -> bool:
 
 def _from_hub(ds: NamedDataset, split: str) -> str:
     if ds.hub is None:
-        raise DataError(f"dataset {ds.name!r} is not in the data directory {data_dir()}", "set LLMCOMPRESS_DATA_DIR to a folder holding it")
+        raise DataError(f"dataset {ds.name!r} is not in the data directory {data_dir()}", how_to_get(ds.name))
     if not hub_reachable():
         raise DataError(
             f"dataset {ds.name!r} is not in {data_dir()} and the hub is unreachable",
-            "set LLMCOMPRESS_DATA_DIR to a folder holding it, or use --data self",
+            f"{how_to_get(ds.name)}, or use --data self",
         )
     try:
         import datasets
@@ -131,6 +131,28 @@ def _from_hub(ds: NamedDataset, split: str) -> str:
     if ds.name == "piqa":
         return "\n\n".join(f"Question: {r['goal']}\nAnswer: {r['sol2' if r['label'] == 1 else 'sol1']}" for r in d)
     return "".join(r["text"] for r in d)
+
+
+def local_file(name: str, split: str) -> Path | None:
+    """The local file that holds `split` of the named dataset, or None when it is not on this machine."""
+    ds = DATASETS[name]
+    path = data_dir() / ds.files[split]
+    return path if path.is_file() else None
+
+
+def dataset_available(name: str) -> bool:
+    """True when every split of the named dataset is on this machine, or the hub has it and is reachable."""
+    ds = DATASETS[name]
+    if all(local_file(name, split) is not None for split in ds.files):
+        return True
+    return ds.hub is not None and hub_reachable()
+
+
+def how_to_get(name: str) -> str:
+    """One line: how a user provides the named dataset."""
+    if DATASETS[name].hub is None:
+        return f"run `llmcompress data add {name} PATH` with a local copy, or set LLMCOMPRESS_DATA_DIR to a folder holding it"
+    return f"run `llmcompress data fetch {name}` (online), or set LLMCOMPRESS_DATA_DIR to a folder holding it"
 
 
 def load_texts(source: str, split: str | None = None) -> list[str]:
