@@ -39,7 +39,7 @@ def _root(
 
 
 def _register() -> None:
-    from llmcompress.cli import collapse, distill, eval_cmd, info, nas, zip_cmd
+    from llmcompress.cli import collapse, data, distill, eval_cmd, info, nas, zip_cmd
 
     app.command("eval")(eval_cmd.eval_command)
     app.command("info")(info.info_command)
@@ -48,6 +48,7 @@ def _register() -> None:
     app.command("nas")(nas.nas_command)
     app.command("zip")(zip_cmd.zip_command)
     app.command("unzip")(zip_cmd.unzip_command)
+    app.add_typer(data.app, name="data")
 
 
 _register()

@@ -162,7 +162,7 @@ def calibration_blocks(
     """
     import torch
 
-    from llmcompress.data.sources import DATASETS, load_texts
+    from llmcompress.data.sources import DATASETS, is_named, load_texts
 
     parts = split_sources(source, split)
     if source == "self":
@@ -181,7 +181,7 @@ def calibration_blocks(
             print(f"notice: {exc.message}; falling back to data-free `self` text sampled from the model", file=sys.stderr)
             return self_text_blocks(model, tokenizer, seq_len, n_blocks, seed), "self (fallback: data unreachable)"
         streams.append(token_stream(tokenizer, texts))
-        labels.append(f"{name}:{part_split}" if name in DATASETS else str(Path(name)))
+        labels.append(f"{name}:{part_split}" if is_named(name) else str(Path(name)))
     ids = streams[0] if len(streams) == 1 else torch.cat(streams)
     return pack_blocks(ids, seq_len, n_blocks=n_blocks, seed=seed, offset=offset), "+".join(labels)
 
@@ -192,14 +192,14 @@ def split_sources(source: str, split: str | None) -> list[tuple[str, str | None]
     `wikitext2,tinyshakespeare:all` -> [("wikitext2", split), ("tinyshakespeare", "all")]: a named part
     without its own split takes `split`. A part that names an existing file is a file, even with a colon.
     """
-    from llmcompress.data.sources import DATASETS
+    from llmcompress.data.sources import is_named
 
     out: list[tuple[str, str | None]] = []
     for part in (p.strip() for p in source.split(",")):
         if not part:
             raise DataError(f"empty source in --data {source!r}", "separate sources with single commas, e.g. wikitext2,tinyshakespeare:all")
         name, sep, own = part.partition(":")
-        if sep and name in DATASETS and not Path(part).exists():
+        if sep and is_named(name) and not Path(part).exists():
             out.append((name, own))
         else:
             out.append((part, split))

@@ -24,6 +24,12 @@ def _local_task_config(name: str) -> dict:
 
     text = resources.files("llmcompress.tasks").joinpath(f"{name}.yaml").read_text()
     config = yaml.safe_load(text.replace("{data_dir}", str(data_dir())))
+    from llmcompress.data.sources import DATASETS, local_file
+
+    files = (config.get("dataset_kwargs") or {}).get("data_files", {})
+    found = local_file(name, DATASETS[name].default_split) if name in DATASETS else None
+    if found is not None:  # honours `llmcompress data add` (a registered copy wins over the data directory)
+        files.update({k: str(found) for k in files})
     for path in (config.get("dataset_kwargs") or {}).get("data_files", {}).values():
         if not Path(path).is_file():
             raise DataError(
