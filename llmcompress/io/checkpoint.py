@@ -60,7 +60,7 @@ def save_checkpoint(
     manifest: dict[str, Any],
     overwrite: bool = False,
 ) -> Path:
-    """Write model (safetensors), tokenizer and manifest to `out`, atomically."""
+    """Write model (safetensors), tokenizer, manifest, model card (README.md) and recipe.yaml to `out`, atomically."""
     out = Path(out)
     from llmcompress.io.load import _drop_quantization_config, quiet_transformers
 
@@ -75,5 +75,8 @@ def save_checkpoint(
         manifest.setdefault("parameters", sum(p.numel() for p in model.parameters()))
         manifest["weights_sha256"] = weights_hash(model)
         write_json(tmp / MANIFEST, manifest)
+        from llmcompress.io.card import write_card
+
+        write_card(tmp, manifest, name=out.name)  # README.md model card + recipe.yaml
         tmp.chmod(0o755)
     return out
