@@ -43,3 +43,20 @@ def test_command_line_is_recorded_exactly():
         "llmcompress collapse --pareto --out 'my runs/a'"
     assert command_line(["/venv/bin/llmcompress", "nas", "--target-bits", "4"]) == "llmcompress nas --target-bits 4"
     assert command_line(["/venv/bin/pytest", "-q"]) is None
+
+
+def test_push_to_hub_offline_is_one_line_and_runs_nothing(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "LLMCOMPRESS_PROGRESS": "0"}
+    for cmd in (["collapse", "--pareto"], ["distill", "--keep-layers", "2"], ["nas", "--target-bits", "4"]):
+        r = subprocess.run([sys.executable, "-m", "llmcompress", *cmd, "--out", str(tmp_path / "o"), "--push-to-hub", "me/model"],
+                           capture_output=True, text=True, env=env, timeout=120)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and "--push-to-hub: the hub is unreachable" in lines[0], (cmd, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "llmcompress", "collapse", "--pareto", "--save", "all", "--push-to-hub", "me/m",
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "uploads one model" in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()

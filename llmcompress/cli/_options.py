@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -15,3 +15,4 @@ OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an exis
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --out.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the checkpoint (off by default).")]
+PushOpt = Annotated[Optional[str], typer.Option("--push-to-hub", help="Upload the saved model to this hub repo (OWNER/NAME) when online.")]

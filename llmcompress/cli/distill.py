@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import DeviceOpt, ModelArg, OverwriteOpt, ResumeOpt, SeedOpt
+from llmcompress.cli._options import DeviceOpt, ModelArg, OverwriteOpt, PushOpt, ResumeOpt, SeedOpt
 
 
 class ModeChoice(str, Enum):
@@ -68,6 +68,7 @@ def distill_command(
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
+    push_to_hub: PushOpt = None,
 ) -> None:
     """Distil a smaller student from TEACHER: layer-wise, easy-to-hard, from a cached teacher.
 
@@ -80,6 +81,9 @@ def distill_command(
 
     if out is None:
         raise UserError("--out is required", "e.g. --out distilled/")
+    from llmcompress.io.hub import check_push, push
+
+    check_push(push_to_hub)
     if os.environ.get("RANK", "0") == "0":  # fail fast, before torch loads (rank 0 only: it creates --out)
         check_out_dir(out, overwrite=overwrite, resume=resume)
     from llmcompress.distill.dist import from_env, shutdown
@@ -105,3 +109,5 @@ def distill_command(
         if m.get("student_ppl") is not None:
             typer.echo(f"perplexity: teacher {m.get('teacher_ppl'):.2f}, student before {m.get('student_ppl_before'):.2f}, after {m['student_ppl']:.2f}")
         typer.echo(f"training wall time {m['train_wall_s']:.1f}s, peak memory {m['peak_rss_mb']:.0f} MiB; report: {out / 'report.md'}")
+        if push_to_hub:
+            typer.echo(f"pushed {result.student_dir} to {push_to_hub}: {push(result.student_dir, push_to_hub)}")

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import ModelArg, OverwriteOpt, ResumeOpt
+from llmcompress.cli._options import ModelArg, OverwriteOpt, PushOpt, ResumeOpt
 
 
 class Mode(str, enum.Enum):
@@ -44,6 +44,7 @@ def nas_command(
     resume: ResumeOpt = False,
     overwrite: OverwriteOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (refused if it exists, unless --overwrite/--resume).")] = None,
+    push_to_hub: PushOpt = None,
 ) -> None:
     """Search layer skips, MLP widths and per-layer bit widths under a latency/size/bits target; export packed + HF checkpoints."""
     from llmcompress.errors import UserError
@@ -51,6 +52,9 @@ def nas_command(
 
     if out is None:
         raise UserError("--out is required", "pass --out DIR")
+    from llmcompress.io.hub import check_push, push
+
+    check_push(push_to_hub)
     cfg = load_spec(spec) if spec is not None else NasConfig()
     overrides = {
         "model": model, "target_latency": target_latency, "target_size_mb": target_size_mb, "target_bits": target_bits,
@@ -70,3 +74,5 @@ def nas_command(
     a = run.arch
     typer.echo(f"wrote {run.out_dir}: avg bits {a['avg_bits']:.2f}, modeled latency {a['modeled_latency']:.3f}, "
                f"size {a['size_mb']:.1f} MB, packed on disk {a.get('packed_disk_mb', 0):.1f} MB")
+    if push_to_hub:
+        typer.echo(f"pushed {run.out_dir / 'hf'} to {push_to_hub}: {push(run.out_dir / 'hf', push_to_hub)}")

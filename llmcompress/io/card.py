@@ -26,7 +26,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 def relation(method: str, manifest: dict) -> tuple[str, list[str]]:
     """(base_model_relation, extra tags) for an llmcompress method."""
     if method.startswith("nas"):
-        bits = manifest.get("avg_bits") or (manifest.get("config") or {}).get("target_bits")
+        bits = manifest.get("avg_bits") or (manifest.get("metrics") or {}).get("bits") or (manifest.get("config") or {}).get("target_bits")
         tags = ["pruned", "mixed-precision"]
         return ("quantized", tags) if bits is None or float(bits) < 16 else ("finetune", tags)
     if method.startswith("distill"):
