@@ -19,6 +19,24 @@ if "LLMCOMPRESS_DATA_DIR" not in os.environ and _SHARED.is_dir():
 TINY_VOCAB = 256
 
 
+def pytest_runtest_setup(item):
+    """`@pytest.mark.requires_data("wikitext2", ...)`: skip, with how to get it, when a named dataset is neither
+    in the data directory nor on a reachable hub; LLMCOMPRESS_REQUIRE_DATA=1 (CI) makes that a failure."""
+    marker = item.get_closest_marker("requires_data")
+    if marker is None:
+        return
+    from llmcompress.data.sources import dataset_available, how_to_get
+    from llmcompress.paths import data_dir
+
+    missing = [name for name in marker.args if not dataset_available(name)]
+    if not missing:
+        return
+    reason = f"{item.name} needs dataset {missing[0]!r}, not in {data_dir()} and the hub is unreachable: {how_to_get(missing[0])}"
+    if os.environ.get("LLMCOMPRESS_REQUIRE_DATA") == "1":
+        pytest.fail(f"LLMCOMPRESS_REQUIRE_DATA=1 and {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def tiny_config(family: str = "llama", layers: int = 4):
     import transformers
 

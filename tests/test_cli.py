@@ -49,7 +49,7 @@ def test_help_lists_commands_and_is_fast():
         (["eval", "{tiny}", "--ppl", "no-such-set", "--no-speed"], ["unknown dataset"]),
         (["eval", "{tiny}", "--ppl", "{empty}", "--no-speed"], ["empty"]),
         (["eval", "{tiny}", "--ppl", "{short}", "--no-speed", "--seq-len", "64"], ["shorter than one block"]),
-        (["eval", "{tiny}", "--seq-len", "100000", "--no-speed"], ["beyond the model's context"]),
+        (["eval", "{tiny}", "--seq-len", "100000", "--ppl", "{short}", "--no-speed"], ["beyond the model's context"]),
         (["eval", "{tiny}", "--out", "{existing}", "--no-speed"], ["already exists", "--overwrite"]),
         (["info", "{notmodel}"], ["not a model directory"]),
         (["info", "{bert}"], ["unsupported architecture", "llama"]),

@@ -98,6 +98,7 @@ def test_tiny_pareto_run_writes_everything(tmp_path, tiny_hf_dir, tiny_spec):
     from transformers import AutoModelForCausalLM
 
     manifest = json.loads((models[0] / "llmcompress.json").read_text())
+    assert f"llmcompress collapse {tiny_hf_dir} --spec {tiny_spec} --pareto --out {out}" in (models[0] / "README.md").read_text()
     m = AutoModelForCausalLM.from_pretrained(models[0])
     assert m.config.num_hidden_layers == len(manifest["layer_map"]) == manifest["layers"]
     assert sorted(i for e in manifest["layer_map"] for i in e["sources"]) == list(range(4))

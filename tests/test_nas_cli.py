@@ -49,6 +49,7 @@ def test_existing_out_and_bad_spec(tiny_hf_dir, tmp_path):
     _one_line_error(nas(tiny_hf_dir, "--spec", spec, "--out", tmp_path / "p"), "unknown search-spec key(s): foo")
 
 
+@pytest.mark.requires_data("wikitext2")
 def test_tiny_end_to_end(tiny_hf_dir, tmp_path):
     from llmcompress.io.load import load_model
     spec = tmp_path / "s.yaml"

@@ -31,6 +31,7 @@ BAD = {
         "--max-tokens": ["-5", HUGE],  # 0 means "all tokens" (documented)
         "--batch-size": ["0", "-1", HUGE],
         "--limit": ["0", "-3", HUGE_F, "nan"],
+        "--num-fewshot": ["-1", HUGE],
     },
     "collapse": {
         "--target-layers": ["0", "1", "-1", HUGE],

@@ -10,6 +10,7 @@ import torch
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.requires_data("wikitext2")
 def test_perplexity_matches_a_plain_transformers_computation(smollm2):
     """Our windowed perplexity equals a direct HF loss computation on the same first tokens of wiki.test.raw."""
     from llmcompress.data.blocks import token_stream

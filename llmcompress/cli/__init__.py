@@ -39,7 +39,7 @@ def _root(
 
 
 def _register() -> None:
-    from llmcompress.cli import collapse, distill, eval_cmd, export, info, nas, verify, zip_cmd
+    from llmcompress.cli import collapse, data, distill, eval_cmd, export, info, nas, verify, zip_cmd
 
     app.command("eval")(eval_cmd.eval_command)
     app.command("info")(info.info_command)
@@ -50,6 +50,7 @@ def _register() -> None:
     app.command("zip")(zip_cmd.zip_command)
     app.command("unzip")(zip_cmd.unzip_command)
     app.command("verify")(verify.verify_command)
+    app.add_typer(data.app, name="data")
 
 
 _register()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -27,3 +27,4 @@ def _allow_pickle(value: bool) -> bool:
 AllowPickleOpt = Annotated[bool, typer.Option(
     "--allow-pickle", callback=_allow_pickle,
     help="Load a model that has only pickle weights (pytorch_model.bin), with torch's weights_only loader.")]
+PushOpt = Annotated[Optional[str], typer.Option("--push-to-hub", help="Upload the saved model to this hub repo (OWNER/NAME) when online.")]

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import AllowPickleOpt, DeviceOpt, ModelArg, OverwriteOpt, ResumeOpt
+from llmcompress.cli._options import AllowPickleOpt, DeviceOpt, ModelArg, OverwriteOpt, PushOpt, ResumeOpt
 
 
 class Method(str, enum.Enum):
@@ -34,7 +34,7 @@ def collapse_command(
     calib_tokens: Annotated[Optional[int], typer.Option("--calib-tokens", help="Calibration tokens.")] = None,
     val_tokens: Annotated[Optional[int], typer.Option("--val-tokens", help="Validation tokens (never optimized on).")] = None,
     calib_data: Annotated[Optional[str], typer.Option("--calib-data", help="Calibration source: wikitext2, a file, or self; NAME:SPLIT picks a split; several joined by commas are mixed.")] = None,
-    eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report (0 skips).")] = None,
+    eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report (held-out self text when WikiText-2 is missing; 0 skips).")] = None,
     piqa_limit: Annotated[Optional[int], typer.Option("--piqa-limit", help="PIQA examples for the report (0 skips).")] = None,
     max_cache_gb: Annotated[Optional[float], typer.Option("--max-cache-gb", help="Memory for cached states; beyond it they go to disk.")] = None,
     device: DeviceOpt = "auto",
@@ -43,6 +43,7 @@ def collapse_command(
     allow_pickle: AllowPickleOpt = False,
     overwrite: OverwriteOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (default ./runs/collapse-<timestamp>).")] = None,
+    push_to_hub: PushOpt = None,
 ) -> None:
     """Collapse decoder layers by evolutionary search and save ready checkpoints of the chosen solutions."""
     import time
@@ -71,6 +72,11 @@ def collapse_command(
         overrides.update(pareto=False, ratio=ratio, target_layers=None)
     cfg = config_from_dict({k: v for k, v in overrides.items() if v is not None}, base=cfg)
     cfg.validate()
+    from llmcompress.io.hub import check_push, push
+
+    if push_to_hub and (cfg.save == "all" or "," in cfg.save):
+        raise UserError("--push-to-hub uploads one model", "use --save knee or one layer count")
+    check_push(push_to_hub)
     if out is None:
         if resume:
             raise UserError("--resume needs the --out directory of the interrupted run", "pass --out DIR")
@@ -92,3 +98,5 @@ def collapse_command(
     typer.echo(f"wrote {result.out_dir}: {len(result.front)} solution(s) on the front, {len(result.saved)} checkpoint(s)")
     for path in result.saved:
         typer.echo(f"  {path}")
+    if push_to_hub and result.saved:
+        typer.echo(f"pushed {result.saved[0]} to {push_to_hub}: {push(result.saved[0], push_to_hub)}")

@@ -9,7 +9,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import AllowPickleOpt, DeviceOpt, ModelArg, OverwriteOpt, ResumeOpt, SeedOpt
+from llmcompress.cli._options import (
+    AllowPickleOpt,
+    DeviceOpt,
+    ModelArg,
+    OverwriteOpt,
+    PushOpt,
+    ResumeOpt,
+    SeedOpt,
+)
 
 
 class ModeChoice(str, Enum):
@@ -71,6 +79,7 @@ def distill_command(
     resume: ResumeOpt = False,
     allow_pickle: AllowPickleOpt = False,
     keep_work: Annotated[bool, typer.Option("--keep-work", help="Keep OUT/work (segment weights, features, resume state) after success.")] = False,
+    push_to_hub: PushOpt = None,
 ) -> None:
     """Distil a smaller student from TEACHER: layer-wise, easy-to-hard, from a cached teacher.
 
@@ -83,6 +92,9 @@ def distill_command(
 
     if out is None:
         raise UserError("--out is required", "e.g. --out distilled/")
+    from llmcompress.io.hub import check_push, push
+
+    check_push(push_to_hub)
     cfg = DistillConfig(
         teacher=teacher, keep_layers=keep_layers, student=student, select=select.value, mode=mode.value,
         train_tokens=train_tokens, epochs=epochs, segments=segments, data=data, data_split=data_split, seq_len=seq_len,
@@ -122,3 +134,5 @@ def distill_command(
         if m.get("student_ppl") is not None:
             typer.echo(f"perplexity: teacher {m.get('teacher_ppl'):.2f}, student before {m.get('student_ppl_before'):.2f}, after {m['student_ppl']:.2f}")
         typer.echo(f"training wall time {m['train_wall_s']:.1f}s, peak memory {m['peak_rss_mb']:.0f} MiB; report: {out / 'report.md'}")
+        if push_to_hub:
+            typer.echo(f"pushed {result.student_dir} to {push_to_hub}: {push(result.student_dir, push_to_hub)}")

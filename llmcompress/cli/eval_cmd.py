@@ -16,13 +16,16 @@ def eval_command(
     ppl: Annotated[list[str], typer.Option("--ppl", help="Perplexity dataset or file (repeatable); 'none' to skip.")] = ["wikitext2"],  # noqa: B006
     seq_len: Annotated[int, typer.Option("--seq-len", help="Window length for perplexity.")] = 512,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Score at most this many tokens (0: all).")] = 16384,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 4,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Batch size for perplexity and lm-eval.")] = 4,
     tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated lm-eval tasks (shipped: piqa).")] = "",
     limit: Annotated[Optional[float], typer.Option("--limit", help="lm-eval: samples per task (or fraction).")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", help="lm-eval: few-shot examples per prompt (default: each task's).")] = None,
+    apply_chat_template: Annotated[bool, typer.Option("--apply-chat-template", help="lm-eval: wrap prompts in the tokenizer's chat template.")] = False,
+    log_samples: Annotated[bool, typer.Option("--log-samples", help="lm-eval: also write every sample (needs --out).")] = False,
     include_tasks: Annotated[Optional[Path], typer.Option("--include-tasks", help="Folder of extra lm-eval task YAMLs.")] = None,
     speed: Annotated[bool, typer.Option("--speed/--no-speed", help="Measure prefill/decode speed.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Write report.json and report.md here.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "--output-path", help="Write report.json, report.md and (with --tasks) lm-eval's results JSON under lm_eval/ here.")] = None,
     overwrite: OverwriteOpt = False,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "auto",
@@ -30,12 +33,15 @@ def eval_command(
     allow_pickle: AllowPickleOpt = False,
 ) -> None:
     """Evaluate models: perplexity, lm-evaluation-harness tasks, size and speed, in one table."""
-    from llmcompress.eval.report import EvalSpec, evaluate, table_rows, write_report
+    from llmcompress.errors import UserError
+    from llmcompress.eval.report import EvalSpec, evaluate, json_rows, table_rows, write_report
     from llmcompress.io.atomic import check_out_dir
     from llmcompress.io.load import DEFAULT_MODEL, load_model, resolve
     from llmcompress.runtime import resolve_device, resolve_dtype
 
     models = models or [DEFAULT_MODEL]
+    if log_samples and (out is None or not tasks.strip()):
+        raise UserError("--log-samples needs lm-eval tasks and a place to write them", "pass --tasks and --out")
     spec = EvalSpec(
         ppl=[p for p in ppl if p.lower() != "none"],
         seq_len=seq_len,
@@ -45,6 +51,9 @@ def eval_command(
         limit=limit,
         include_tasks=str(include_tasks) if include_tasks else None,
         speed=speed,
+        num_fewshot=num_fewshot,
+        apply_chat_template=apply_chat_template,
+        log_samples=log_samples,
     )
     spec.validate()
     if spec.limit is not None and spec.limit >= 1:
@@ -70,7 +79,7 @@ def eval_command(
     if out is not None:
         write_report(out, rows, spec)
     if as_json:
-        typer.echo(json.dumps({"spec": spec.to_dict(), "models": rows}, indent=2, default=str))
+        typer.echo(json.dumps({"spec": spec.to_dict(), "models": json_rows(rows)}, indent=2, default=str))
         return
     from rich.console import Console
     from rich.table import Table

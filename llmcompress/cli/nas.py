@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import AllowPickleOpt, ModelArg, OverwriteOpt, ResumeOpt
+from llmcompress.cli._options import AllowPickleOpt, ModelArg, OverwriteOpt, PushOpt, ResumeOpt
 
 
 class Mode(str, enum.Enum):
@@ -47,6 +47,7 @@ def nas_command(
     allow_pickle: AllowPickleOpt = False,
     overwrite: OverwriteOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (refused if it exists, unless --overwrite/--resume).")] = None,
+    push_to_hub: PushOpt = None,
 ) -> None:
     """Search layer skips, MLP widths and per-layer bit widths under a latency/size/bits target; save hf/ (dequantized) and --export gguf/compressed-tensors."""
     from llmcompress.errors import UserError
@@ -54,6 +55,9 @@ def nas_command(
 
     if out is None:
         raise UserError("--out is required", "pass --out DIR")
+    from llmcompress.io.hub import check_push, push
+
+    check_push(push_to_hub)
     cfg = load_spec(spec) if spec is not None else NasConfig()
     overrides = {
         "model": model, "target_latency": target_latency, "target_size_mb": target_size_mb, "target_bits": target_bits,
@@ -84,3 +88,5 @@ def nas_command(
                f"size {a['size_mb']:.1f} MB, hf/ (dequantized, {a.get('hf_dtype')}) {a.get('hf_disk_mb', 0):.1f} MB")
     for fmt, e in a.get("exports", {}).items():
         typer.echo(f"  {fmt}: {e['path']} ({e['bytes'] / 1e6:.1f} MB)" + (f"; {e['note']}" if e.get("note") else ""))
+    if push_to_hub:
+        typer.echo(f"pushed {run.out_dir / 'hf'} to {push_to_hub}: {push(run.out_dir / 'hf', push_to_hub)}")

@@ -84,7 +84,7 @@ def write_front(out_dir: Path, records: list[dict], baselines: list[dict], meta:
     """pareto.json (front + baselines + metadata) and pareto.csv."""
     write_json(out_dir / "pareto.json", {**meta, "front": records, "baselines": baselines})
     buf = io.StringIO()
-    cols = ["name", "layers", "params", "kl_calib", "kl_val", "sim_calib", "fitness_calib", "fitness_val", "changes"]
+    cols = ["name", "layers", "params", "kl_calib", "kl_val", "sim_calib", "fitness_calib", "fitness_val", "ppl_wikitext2", "ppl_self", "piqa_acc", "changes"]
     w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
     w.writeheader()
     for r in records + baselines:
@@ -126,7 +126,7 @@ def save_solution(model, tokenizer, cand: Candidate, record: dict, out: Path, *,
     from llmcompress.io.checkpoint import build_manifest, save_checkpoint
 
     new = build_model(model, cand)
-    metrics = {k: record.get(k) for k in ("kl_calib", "kl_val", "sim_calib", "ppl_wikitext2", "piqa_acc") if record.get(k) is not None}
+    metrics = {k: record.get(k) for k in ("kl_calib", "kl_val", "sim_calib", "ppl_wikitext2", "ppl_self", "piqa_acc") if record.get(k) is not None}
     manifest = build_manifest(
         source=source,
         source_hash=source_hash,
@@ -139,10 +139,37 @@ def save_solution(model, tokenizer, cand: Candidate, record: dict, out: Path, *,
     return new
 
 
-def quality(model, tokenizer, *, eval_tokens: int, seq_len: int, piqa_limit: int) -> dict:
-    """WikiText-2 test perplexity and PIQA accuracy (each skipped when its budget is 0 or it is unavailable)."""
+HELD_OUT_SEED = 1_000_003  # added to the run's seed: held-out self text never shares a seed with calibration/validation
+
+
+def eval_corpus_reachable() -> bool:
+    """True when WikiText-2's test split is on this machine or the hub can be reached."""
+    from llmcompress.data.sources import hub_reachable, local_file
+
+    return local_file("wikitext2", "test") is not None or hub_reachable()
+
+
+def held_out_self_blocks(model, tokenizer, *, eval_tokens: int, seq_len: int, seed: int):
+    """Held-out evaluation text when no corpus is reachable: sequences sampled from the (dense) model with
+    seed `seed + HELD_OUT_SEED`, so disjoint from the calibration and validation blocks (other seeds)."""
+    from llmcompress.data.blocks import self_text_blocks
+
+    seq = min(seq_len, eval_tokens)
+    return self_text_blocks(model, tokenizer, seq, max(1, eval_tokens // seq), seed + HELD_OUT_SEED)
+
+
+def quality(model, tokenizer, *, eval_tokens: int, seq_len: int, piqa_limit: int, ppl_blocks=None) -> dict:
+    """WikiText-2 test perplexity (or, given `ppl_blocks`, perplexity on those held-out self-text blocks:
+    `ppl_self`) and PIQA accuracy (each skipped when its budget is 0 or it is unavailable)."""
     out: dict = {}
-    if eval_tokens > 0 and tokenizer is not None:
+    if eval_tokens > 0 and ppl_blocks is not None:
+        import math
+
+        from llmcompress.eval.perplexity import nll_of_blocks
+
+        nll, n = nll_of_blocks(model, ppl_blocks, description="ppl held-out self text")
+        out["ppl_self"] = math.exp(nll / n)
+    elif eval_tokens > 0 and tokenizer is not None:
         from llmcompress.eval.perplexity import perplexity
 
         try:
@@ -165,6 +192,12 @@ def _fmt(v, spec=".3f"):
     return "—" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
 
+def _wikitext_protocol(meta: dict) -> str:
+    seq = min(meta.get("eval_seq_len") or 0, meta.get("eval_tokens") or 0)
+    return (f"WikiText-2 raw test, first {meta.get('eval_tokens')} tokens, non-overlapping windows of {seq} tokens "
+            f"(stride {seq}), each window scored without context from the previous one")
+
+
 def write_report(path: Path, rows: list[dict], meta: dict) -> None:
     """report.md: dense model, baselines and chosen solutions side by side."""
     lines = [
@@ -175,16 +208,17 @@ def write_report(path: Path, rows: list[dict], meta: dict) -> None:
         f"- calibration: {meta.get('calibration')}; validation: {meta.get('validation')} (never optimized on)",
         f"- search: {meta.get('evaluations')} fitness evaluations in {_fmt(meta.get('search_seconds'), '.1f')} s "
         f"({_fmt(meta.get('evals_per_s'), '.3f')} evals/s, prefix cache on)",
-        f"- perplexity: WikiText-2 raw test, first {meta.get('eval_tokens')} tokens at seq-len {meta.get('eval_seq_len')}; "
-        f"PIQA: {meta.get('piqa_limit')} examples",
+        f"- perplexity: {meta.get('ppl_protocol') or _wikitext_protocol(meta)}; "
+        f"PIQA: {meta.get('piqa_note') or str(meta.get('piqa_limit')) + ' examples'}",
         "",
-        "| model | layers | params | KL calib | KL val | WikiText-2 ppl | PIQA acc | changes |",
+        f"| model | layers | params | KL calib | KL val | {'held-out self-text ppl' if meta.get('ppl_source') == 'self' else 'WikiText-2 ppl'} | PIQA acc | changes |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        ppl = r.get("ppl_self") if meta.get("ppl_source") == "self" else r.get("ppl_wikitext2")
         lines.append(
             f"| {r['name']} | {r['layers']} | {r['params'] / 1e6:.1f}M | {_fmt(r.get('kl_calib'))} | {_fmt(r.get('kl_val'))} | "
-            f"{_fmt(r.get('ppl_wikitext2'), '.2f')} | {_fmt(r.get('piqa_acc'))} | {r.get('changes', '')} |"
+            f"{_fmt(ppl, '.2f')} | {_fmt(r.get('piqa_acc'))} | {r.get('changes', '')} |"
         )
     saved = [r for r in rows if r.get("bytes_on_disk")]
     if saved:

@@ -116,12 +116,36 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
 
     for stale in out_dir.glob(STATES_PREFIX + "*"):  # states spilled to disk by a killed run: never reused
         shutil.rmtree(stale, ignore_errors=True)
+    evaluation = _evaluation_sources(cfg)
     ev = prepare(cfg, lm, cache_dir=out_dir)  # reads the calibration data: bad data fails before anything is written
     write_json(out_dir / "config.json", cfg.to_dict())
     try:
-        return _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar)
+        return _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar,
+                    evaluation)
     finally:
         ev.close()
+
+
+def _evaluation_sources(cfg) -> dict:
+    """Which corpora the final quality measures read. Without WikiText-2, perplexity is measured on held-out
+    self text (said once, here, at the start, with how to get WikiText-2); without PIQA, PIQA is left out."""
+    import sys
+
+    from llmcompress.collapse.export import eval_corpus_reachable
+    from llmcompress.data.sources import dataset_available, how_to_get
+
+    out: dict = {"ppl_source": "wikitext2", "piqa_limit": cfg.piqa_limit, "piqa_note": None}
+    if cfg.eval_tokens > 0 and not eval_corpus_reachable():
+        out["ppl_source"] = "self"
+        print(
+            "notice: WikiText-2 is not here and the hub is unreachable: perplexity is measured on held-out text sampled "
+            f"from the model instead (not comparable with published numbers). To get WikiText-2: {how_to_get('wikitext2')}",
+            file=sys.stderr,
+        )
+    if cfg.piqa_limit > 0 and not dataset_available("piqa"):
+        out["piqa_limit"] = 0
+        out["piqa_note"] = f"not measured (dataset missing: {how_to_get('piqa')})"
+    return out
 
 
 def _tunes(cfg) -> bool:
@@ -188,7 +212,8 @@ def _compare_counts(cfg, lo, hi, target) -> list[int]:
     return sorted({hi, *range(lo, hi + 1, step)} | {lo})
 
 
-def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar):
+def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar,
+         evaluation=None):
     L = ev.n_layers
     target = cfg.resolved_target(L)
     counts = list(range(lo, hi + 1)) if cfg.method in ("shortgpt", "laco") and cfg.pareto else _compare_counts(cfg, lo, hi, target)
@@ -231,7 +256,14 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
         for n, c in sorted(per.items()) if n in set(_compare_counts(cfg, lo, hi, target)) | saved_counts
     ]
     # quality of the dense model, the chosen solutions and the baselines at the same layer counts
-    q = dict(eval_tokens=cfg.eval_tokens, seq_len=cfg.eval_seq_len, piqa_limit=cfg.piqa_limit)
+    evaluation = evaluation or {"ppl_source": "wikitext2", "piqa_limit": cfg.piqa_limit, "piqa_note": None}
+    q = dict(eval_tokens=cfg.eval_tokens, seq_len=cfg.eval_seq_len, piqa_limit=evaluation["piqa_limit"])
+    ppl_protocol = None
+    if evaluation["ppl_source"] == "self":
+        q["ppl_blocks"] = E.held_out_self_blocks(lm.model, lm.tokenizer, eval_tokens=cfg.eval_tokens, seq_len=cfg.eval_seq_len, seed=cfg.seed)
+        n, seq = q["ppl_blocks"].shape
+        ppl_protocol = (f"held-out self text: {n} sequences of {seq} tokens sampled from the dense model (seed {cfg.seed + E.HELD_OUT_SEED}, "
+                        "disjoint from the calibration and validation text), each scored on its own; WikiText-2 was not reachable")
     dense = {"name": "dense", "layers": L, "params": ev.total_params, "kl_calib": 0.0, "kl_val": 0.0, "changes": "original",
              **E.quality(lm.model, lm.tokenizer, **q)}
     from llmcompress.io.dtypes import save_dtype_for
@@ -256,6 +288,10 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
             model = E.build_model(lm.model, base[r["method"]][r["layers"]])
             r.update(E.quality(model, lm.tokenizer, **q))
             del model
+        elif "ppl_blocks" in q:  # held-out self text is cheap and on hand: every row gets a perplexity (not PIQA)
+            model = E.build_model(lm.model, base[r["method"]][r["layers"]])
+            r.update(E.quality(model, lm.tokenizer, **{**q, "piqa_limit": 0}))
+            del model
     meta = {
         "model": cfg.model, "method": cfg.method, "pareto": cfg.pareto, "population": cfg.population,
         "generations": cfg.generations, "seed": cfg.seed, "layers_original": L, "params_original": ev.total_params,
@@ -263,6 +299,7 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
         "validation": f"{ev.refs['val'].label}, {cfg.val_tokens} tokens (disjoint blocks)",
         "evaluations": ev.stats.evaluations, "evals_per_s": ev.stats.per_second, "search_seconds": search_s,
         "eval_tokens": cfg.eval_tokens, "eval_seq_len": cfg.eval_seq_len, "piqa_limit": cfg.piqa_limit,
+        "ppl_source": evaluation["ppl_source"], "ppl_protocol": ppl_protocol, "piqa_note": evaluation["piqa_note"],
         "selection": "per layer count, best calibration candidates re-ranked by validation fitness" + _refined_text(cfg, refined),
         "config": cfg.to_dict(),
     }

@@ -161,13 +161,13 @@ def calibration_blocks(
     """
     import torch
 
-    from llmcompress.data.sources import DATASETS, load_texts
+    from llmcompress.data.sources import DATASETS, is_named, load_texts
 
     parts = split_sources(source, split)
     if source == "self":
         if model is None:
             raise DataError("`self` data needs the model", "pass the model to sample from")
-        return self_text_blocks(model, tokenizer, seq_len, n_blocks, seed), "self (sampled from the model)"
+        return self_text_blocks(model, tokenizer, seq_len, n_blocks, _self_seed(seed, offset)), "self (sampled from the model)"
     if len(parts) > 1 and any(name == "self" for name, _ in parts):
         raise DataError(f"`self` cannot be mixed with other data in {source!r}", "use `self` alone, or only datasets and files")
     streams, labels = [], []
@@ -178,11 +178,17 @@ def calibration_blocks(
             if not (allow_self_fallback and model is not None and len(parts) == 1 and name in DATASETS):
                 raise
             print(f"notice: {exc.message}; falling back to data-free `self` text sampled from the model", file=sys.stderr)
-            return self_text_blocks(model, tokenizer, seq_len, n_blocks, seed), "self (fallback: data unreachable)"
+            return self_text_blocks(model, tokenizer, seq_len, n_blocks, _self_seed(seed, offset)), "self (fallback: data unreachable)"
         streams.append(token_stream(tokenizer, texts))
-        labels.append(f"{name}:{part_split}" if name in DATASETS else str(Path(name)))
+        labels.append(f"{name}:{part_split}" if is_named(name) else str(Path(name)))
     ids = streams[0] if len(streams) == 1 else torch.cat(streams)
     return pack_blocks(ids, seq_len, n_blocks=n_blocks, seed=seed, offset=offset), "+".join(labels)
+
+
+def _self_seed(seed: int, offset: int) -> int:
+    """Sampling seed of `self` text: blocks asked for at an offset (validation after calibration) get their own
+    seed, so they are other samples than the blocks at offset 0 rather than a copy of their first ones."""
+    return seed if offset == 0 else seed + 7919 * offset
 
 
 def split_sources(source: str, split: str | None) -> list[tuple[str, str | None]]:
@@ -191,14 +197,14 @@ def split_sources(source: str, split: str | None) -> list[tuple[str, str | None]
     `wikitext2,tinyshakespeare:all` -> [("wikitext2", split), ("tinyshakespeare", "all")]: a named part
     without its own split takes `split`. A part that names an existing file is a file, even with a colon.
     """
-    from llmcompress.data.sources import DATASETS
+    from llmcompress.data.sources import is_named
 
     out: list[tuple[str, str | None]] = []
     for part in (p.strip() for p in source.split(",")):
         if not part:
             raise DataError(f"empty source in --data {source!r}", "separate sources with single commas, e.g. wikitext2,tinyshakespeare:all")
         name, sep, own = part.partition(":")
-        if sep and name in DATASETS and not Path(part).exists():
+        if sep and is_named(name) and not Path(part).exists():
             out.append((name, own))
         else:
             out.append((part, split))

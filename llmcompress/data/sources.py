@@ -112,11 +112,11 @@ def hub_reachable(timeout: float = 2.0) -> bool:
 
 def _from_hub(ds: NamedDataset, split: str) -> str:
     if ds.hub is None:
-        raise DataError(f"dataset {ds.name!r} is not in the data directory {data_dir()}", "set LLMCOMPRESS_DATA_DIR to a folder holding it")
+        raise DataError(f"dataset {ds.name!r} is not in the data directory {data_dir()}", how_to_get(ds.name))
     if not hub_reachable():
         raise DataError(
             f"dataset {ds.name!r} is not in {data_dir()} and the hub is unreachable",
-            "set LLMCOMPRESS_DATA_DIR to a folder holding it, or use --data self",
+            f"{how_to_get(ds.name)}, or use --data self",
         )
     try:
         import datasets
@@ -133,28 +133,73 @@ def _from_hub(ds: NamedDataset, split: str) -> str:
     return "".join(r["text"] for r in d)
 
 
+def is_named(source: str) -> bool:
+    """A known dataset name, or one registered with `llmcompress data add`."""
+    from llmcompress.data.catalog import read_registry
+
+    return source in DATASETS or (source != "self" and source in read_registry())
+
+
+def local_file(name: str, split: str) -> Path | None:
+    """The local file that holds `split` of a named dataset (registered path first, then the data
+    directory's layout), or None when it is not on this machine."""
+    from llmcompress.data.catalog import registered_file
+
+    reg = registered_file(name, split)
+    if reg is not None or name not in DATASETS:
+        return reg
+    path = data_dir() / DATASETS[name].files[split]
+    return path if path.is_file() else None
+
+
+def dataset_available(name: str) -> bool:
+    """True when every split of a named dataset is on this machine, or the hub has it and is reachable."""
+    from llmcompress.data.catalog import read_registry
+
+    ds = DATASETS.get(name)
+    splits = ds.files if ds else read_registry().get(name, {})
+    if splits and all(local_file(name, split) is not None for split in splits):
+        return True
+    return ds is not None and ds.hub is not None and hub_reachable()
+
+
+def how_to_get(name: str) -> str:
+    """One line: how a user provides the named dataset."""
+    if DATASETS[name].hub is None:
+        return f"run `llmcompress data add {name} PATH` with a local copy, or set LLMCOMPRESS_DATA_DIR to a folder holding it"
+    return f"run `llmcompress data fetch {name}` (online), or set LLMCOMPRESS_DATA_DIR to a folder holding it"
+
+
 def load_texts(source: str, split: str | None = None) -> list[str]:
     """Return a list of documents for a named dataset (`wikitext2`, `tinyshakespeare`, `piqa`) or a file.
 
     Raises DataError with a one-line message when the source cannot be found, read or is empty.
     `self` is handled by `calibration_blocks` (it needs the model).
     """
-    if source in DATASETS:
-        ds = DATASETS[source]
-        split = split or ds.default_split
-        if split not in ds.files:
-            raise DataError(f"dataset {source!r} has no split {split!r}", f"use one of {', '.join(ds.files)}")
-        path = data_dir() / ds.files[split]
-        if path.is_file():
-            texts = _jsonl_texts(path) if path.suffix == ".jsonl" else [_split_named(ds, split, _read(path))]
-        else:
+    if is_named(source):
+        from llmcompress.data.catalog import default_split, read_registry
+
+        ds = DATASETS.get(source)
+        split = split or (ds.default_split if ds else default_split(source))
+        splits = ds.files if ds else read_registry()[source]
+        if split not in splits:
+            raise DataError(f"dataset {source!r} has no split {split!r}", f"use one of {', '.join(splits)}")
+        path = local_file(source, split)
+        if path is not None:
+            texts = _jsonl_texts(path) if path.suffix == ".jsonl" else [_split_named(ds, split, _read(path)) if ds else _read(path)]
+        elif ds is not None:
             texts = [_from_hub(ds, split)]
+        else:
+            raise DataError(
+                f"dataset {source!r} is registered at {read_registry()[source][split]}, which is missing",
+                f"run `llmcompress data add {source} PATH` again",
+            )
     else:
         path = Path(source).expanduser()
         if not path.exists():
             raise DataError(
                 f"unknown dataset or missing file {source!r}",
-                f"use one of {', '.join([*DATASETS, 'self'])}, or a path to a .txt or .jsonl file",
+                f"use one of {', '.join([*DATASETS, 'self'])} (`llmcompress data list`), or a path to a .txt or .jsonl file",
             )
         if path.is_dir():
             raise DataError(f"{path} is a directory", "pass a .txt or .jsonl file")

@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from llmcompress.spec import MAX_BATCH, MAX_SEQ, MAX_TOKENS, Int, Real, check_ranges
+from llmcompress.spec import MAX_BATCH, MAX_COUNT, MAX_SEQ, MAX_TOKENS, Int, Real, check_ranges
 
 
 @dataclass
@@ -21,6 +21,9 @@ class EvalSpec:
     limit: float | None = None
     include_tasks: str | None = None
     speed: bool = True
+    num_fewshot: int | None = None
+    apply_chat_template: bool = False
+    log_samples: bool = False
 
     def validate(self) -> None:
         """Raise UserError on out-of-range numbers (before any model loads)."""
@@ -35,6 +38,7 @@ RANGES = {
     "max_tokens": Int("--max-tokens", 0, MAX_TOKENS, note="0 scores all tokens; e.g. --max-tokens 16384"),
     "batch_size": Int("--batch-size", 1, MAX_BATCH, note="e.g. --batch-size 4"),
     "limit": Real("--limit", 0.0, 1e9, lo_open=True, note="a count of samples per task, or a fraction below 1"),
+    "num_fewshot": Int("--num-fewshot", 0, MAX_COUNT, note="e.g. --num-fewshot 0"),
 }
 
 
@@ -51,14 +55,20 @@ def evaluate(lm, spec: EvalSpec, path: str | None = None) -> dict:
         r = perplexity(lm.model, lm.tokenizer, data, seq_len=spec.seq_len, max_tokens=spec.max_tokens, batch_size=spec.batch_size)
         row[f"ppl/{data}"] = r["ppl"]
         row[f"ppl/{data}/tokens_scored"] = r["tokens_scored"]
+        row[f"ppl/{data}/windows"] = r["windows"]
         row[f"ppl/{data}/tokens_per_s"] = r["tokens"] / max(1e-9, time.perf_counter() - t_data)
     if spec.tasks:
-        from llmcompress.eval.lmeval import run_lm_eval
+        from llmcompress.eval.lmeval import run_lm_eval_full
 
-        results = run_lm_eval(lm.model, lm.tokenizer, spec.tasks, limit=spec.limit, include_path=spec.include_tasks)
-        for task, metrics in results.items():
+        run = run_lm_eval_full(
+            lm.model, lm.tokenizer, spec.tasks, limit=spec.limit, include_path=spec.include_tasks, batch_size=spec.batch_size,
+            num_fewshot=spec.num_fewshot, apply_chat_template=spec.apply_chat_template, log_samples=spec.log_samples,
+            model_name=lm.source,
+        )
+        for task, metrics in run.metrics.items():
             for k, v in metrics.items():
                 row[f"{task}/{k}"] = v
+        row[LM_EVAL_KEY] = run  # lm-eval's own results; `write_report` saves them (popped before JSON)
     if spec.speed:
         row.update(measure_speed(lm.model))
     row["peak_rss_mb"] = peak_rss_mb()
@@ -67,6 +77,7 @@ def evaluate(lm, spec: EvalSpec, path: str | None = None) -> dict:
 
 
 _ORDER = ["layers", "parameters", "disk_bytes"]
+LM_EVAL_KEY = "_lm_eval"
 
 
 def _fmt(v) -> str:
@@ -79,18 +90,50 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _cell(r: dict, k: str) -> str:
+    se = r.get(f"{k}_stderr")
+    return f"{_fmt(r.get(k))} ± {_fmt(se)}" if isinstance(se, (int, float)) and r.get(k) is not None else _fmt(r.get(k))
+
+
 def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """(metric names, one column per model) for a side-by-side table."""
+    """(metric names, one column per model) for a side-by-side table; a metric with a stderr shows `value ± stderr`."""
     keys: list[str] = []
     for k in _ORDER + [k for r in rows for k in r]:
-        if k not in keys and k not in ("model", "device", "threads", "param_bytes"):
+        if k not in keys and k not in ("model", "device", "threads", "param_bytes", LM_EVAL_KEY) and not k.endswith("_stderr"):
             keys.append(k)
-    return keys, [[_fmt(r.get(k)) for r in rows] for k in keys]
+    return keys, [[_cell(r, k) for r in rows] for k in keys]
+
+
+_CORPUS = {"wikitext2": "WikiText-2 raw test split", "tinyshakespeare": "tinyshakespeare, last 10% of characters", "piqa": "PIQA validation, question + correct answer"}
+
+
+def ppl_protocol(rows: list[dict], spec: EvalSpec) -> dict[str, str]:
+    """{data: one line saying how its perplexity was measured (corpus, tokens, window, stride)}."""
+    out = {}
+    for data in spec.ppl:
+        r = next((r for r in rows if f"ppl/{data}/windows" in r), None)
+        if r is None:
+            continue
+        windows = r[f"ppl/{data}/windows"]
+        out[data] = (
+            f"{_CORPUS.get(data, 'text file')}: first {windows * spec.seq_len:,} tokens of the model's tokenization, {windows} "
+            f"non-overlapping windows of {spec.seq_len} tokens (stride {spec.seq_len}), each scored without context from "
+            f"the previous one ({r[f'ppl/{data}/tokens_scored']:,} predictions); token-level perplexity "
+            "(exp of the mean next-token NLL), not lm-eval's word perplexity"
+        )
+    return out
 
 
 def to_markdown(rows: list[dict], spec: EvalSpec, title: str = "llmcompress eval") -> str:
     keys, cells = table_rows(rows)
     lines = [f"# {title}", "", f"Settings: `{spec.to_dict()}`", ""]
+    protocol = ppl_protocol(rows, spec)
+    if protocol:
+        lines += ["Perplexity protocol:"] + [f"- `ppl/{d}`: {text}" for d, text in protocol.items()] + [""]
+    if spec.tasks:
+        lines += [f"lm-eval tasks: {', '.join(spec.tasks)} (n-shot {spec.num_fewshot if spec.num_fewshot is not None else 'task default'}, "
+                  f"limit {spec.limit}, batch size {spec.batch_size}); ± is lm-eval's standard error; its own results JSON is "
+                  "under `lm_eval/`", ""]
     lines.append("| metric | " + " | ".join(str(r["model"]) for r in rows) + " |")
     lines.append("|---|" + "---|" * len(rows))
     for k, vals in zip(keys, cells):
@@ -98,9 +141,18 @@ def to_markdown(rows: list[dict], spec: EvalSpec, title: str = "llmcompress eval
     return "\n".join(lines) + "\n"
 
 
+def json_rows(rows: list[dict]) -> list[dict]:
+    """The rows without lm-eval's in-memory results."""
+    return [{k: v for k, v in r.items() if k != LM_EVAL_KEY} for r in rows]
+
+
 def write_report(out: Path, rows: list[dict], spec: EvalSpec) -> None:
+    """report.json and report.md (flat, side by side) and, for lm-eval tasks, lm-eval's own results JSON per model
+    under `lm_eval/<model>/results_<date>.json` (its EvaluationTracker's layout and schema)."""
     from llmcompress.io.atomic import atomic_dir, write_json, write_text
 
     with atomic_dir(Path(out), overwrite=True) as tmp:
-        write_json(tmp / "report.json", {"spec": spec.to_dict(), "models": rows})
+        written = [str(r[LM_EVAL_KEY].save(tmp / "lm_eval").relative_to(tmp)) for r in rows if r.get(LM_EVAL_KEY) is not None]
+        write_json(tmp / "report.json", {"spec": spec.to_dict(), "ppl_protocol": ppl_protocol(rows, spec), "lm_eval_results": written,
+                                         "models": json_rows(rows)})
         write_text(tmp / "report.md", to_markdown(rows, spec))

@@ -121,7 +121,7 @@ def save_checkpoint(
     overwrite: bool = False,
     dtype: str | None = None,
 ) -> Path:
-    """Write model (safetensors), tokenizer and manifest to `out`, atomically.
+    """Write model (safetensors), tokenizer, manifest, model card (README.md) and recipe.yaml to `out`, atomically.
 
     dtype: float32 | bfloat16 | float16 to save the floating tensors in (the model itself is not changed);
     None saves them as they are. Engines pass the source model's dtype (io/dtypes.py) or --save-dtype.
@@ -150,6 +150,9 @@ def save_checkpoint(
         manifest["weights_sha256"] = weights_hash(model)
         manifest[DIGESTS] = file_digests(tmp)
         write_json(tmp / MANIFEST, manifest)
+        from llmcompress.io.card import write_card
+
+        write_card(tmp, manifest, name=out.name)  # README.md model card + recipe.yaml
         tmp.chmod(0o755)
     return out
 
