@@ -148,11 +148,11 @@ def save_checkpoint(
         manifest["dtype"] = dtype
         manifest["bytes_on_disk"] = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
         manifest["weights_sha256"] = weights_hash(model)
-        manifest[DIGESTS] = file_digests(tmp)
-        write_json(tmp / MANIFEST, manifest)
         from llmcompress.io.card import write_card
 
-        write_card(tmp, manifest, name=out.name)  # README.md model card + recipe.yaml
+        write_card(tmp, manifest, name=out.name)  # README.md model card + recipe.yaml, covered by the digests
+        manifest[DIGESTS] = file_digests(tmp)
+        write_json(tmp / MANIFEST, manifest)
         tmp.chmod(0o755)
     return out
 
