@@ -39,6 +39,7 @@ demo: install
 	$(BIN)/llmcompress collapse --pareto
 
 bench: install
+	$(BIN)/python -m pip install -q -e ".[runtime]"
 	$(BIN)/python bench/bench_eval.py
 	$(BIN)/python bench/bench_collapse.py
 	$(BIN)/python bench/bench_distill.py

@@ -21,6 +21,8 @@ def eval_command(
     limit: Annotated[Optional[float], typer.Option("--limit", help="lm-eval: samples per task (or fraction).")] = None,
     include_tasks: Annotated[Optional[Path], typer.Option("--include-tasks", help="Folder of extra lm-eval task YAMLs.")] = None,
     speed: Annotated[bool, typer.Option("--speed/--no-speed", help="Measure prefill/decode speed.")] = True,
+    runtime: Annotated[str, typer.Option("--runtime", help="torch | llama.cpp: also run each .gguf in llama.cpp (llama-cpp-python, the [runtime] extra), next to torch on the same weights.")] = "torch",
+    threads: Annotated[int, typer.Option("--threads", help="llama.cpp threads (0: all cores).")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write report.json and report.md here.")] = None,
     overwrite: OverwriteOpt = False,
@@ -30,18 +32,30 @@ def eval_command(
 ) -> None:
     """Evaluate models: perplexity, lm-evaluation-harness tasks, size and speed, in one table."""
     from llmcompress.errors import UserError
+    from llmcompress.eval.llamacpp import RUNTIMES, evaluate_llamacpp, require_llama_cpp
     from llmcompress.eval.report import EvalSpec, evaluate, table_rows, write_report
     from llmcompress.io.atomic import check_out_dir
-    from llmcompress.io.load import DEFAULT_MODEL, load_model, resolve
+    from llmcompress.io.load import ALIASES, DEFAULT_MODEL, alias_gguf_path, load_model, resolve
     from llmcompress.runtime import resolve_device, resolve_dtype
 
     models = models or [DEFAULT_MODEL]
     if seq_len < 2:
         raise UserError(f"--seq-len {seq_len} is too short", "use 2 or more")
+    if runtime not in RUNTIMES:
+        raise UserError(f"unknown runtime {runtime!r}", f"use one of {', '.join(RUNTIMES)}")
+    if threads < 0:
+        raise UserError(f"--threads {threads} is negative", "use 0 (all cores) or more")
     if out is not None:
         check_out_dir(out, overwrite=overwrite)
+    ggufs = {}
     for m in models:  # validate every model before the first slow step
-        resolve(m)
+        kind, where = resolve(m)
+        if runtime == "llama.cpp":
+            if kind not in ("gguf", "alias"):
+                raise UserError(f"--runtime llama.cpp runs .gguf files; {m} is not one", f"export it first: llmcompress export {m} --to gguf --out model.gguf")
+            ggufs[m] = where if kind == "gguf" else alias_gguf_path(ALIASES[where])
+    if runtime == "llama.cpp":
+        require_llama_cpp()
     spec = EvalSpec(
         ppl=[p for p in ppl if p.lower() != "none"],
         seq_len=seq_len,
@@ -61,7 +75,12 @@ def eval_command(
     rows = []
     for m in models:
         lm = load_model(m, dtype=resolve_dtype(dtype), device=dev, trust_remote_code=trust_remote_code)
-        rows.append(evaluate(lm, spec, path=m if Path(m).exists() else None))
+        rows.append(evaluate(lm, spec, path=ggufs.get(m) or (m if Path(m).exists() else None)))
+        if runtime == "llama.cpp":  # the same weights in llama.cpp, next to their torch row
+            rows[-1]["model"] = f"{m} [torch]"
+            rows[-1]["runtime"] = "torch"
+            rows.append(evaluate_llamacpp(ggufs[m], lm.tokenizer, spec, threads=threads or None, torch_row=rows[-1]))
+            rows[-1]["model"] = f"{m} [llama.cpp]"
         del lm
     if out is not None:
         write_report(out, rows, spec)
