@@ -39,13 +39,14 @@ def _root(
 
 
 def _register() -> None:
-    from llmcompress.cli import collapse, distill, eval_cmd, info, nas, zip_cmd
+    from llmcompress.cli import collapse, distill, eval_cmd, export, info, nas, zip_cmd
 
     app.command("eval")(eval_cmd.eval_command)
     app.command("info")(info.info_command)
     app.command("collapse")(collapse.collapse_command)
     app.command("distill")(distill.distill_command)
     app.command("nas")(nas.nas_command)
+    app.command("export")(export.export_command)
     app.command("zip")(zip_cmd.zip_command)
     app.command("unzip")(zip_cmd.unzip_command)
 

@@ -37,6 +37,7 @@ def collapse_command(
     eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report (0 skips).")] = None,
     piqa_limit: Annotated[Optional[int], typer.Option("--piqa-limit", help="PIQA examples for the report (0 skips).")] = None,
     max_cache_gb: Annotated[Optional[float], typer.Option("--max-cache-gb", help="Memory for cached states; beyond it they go to disk.")] = None,
+    save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for the saved checkpoint (default: the source model's dtype).")] = None,
     resume: ResumeOpt = False,
     overwrite: OverwriteOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (default ./runs/collapse-<timestamp>).")] = None,
@@ -58,6 +59,7 @@ def collapse_command(
         "tune_steps": tune_steps,
         "save": save, "calib_tokens": calib_tokens, "val_tokens": val_tokens, "calib_source": calib_data,
         "eval_tokens": eval_tokens, "piqa_limit": piqa_limit, "max_cache_gb": max_cache_gb,
+        "save_dtype": save_dtype,
     }
     if pareto:
         overrides.update(pareto=True, target_layers=None, ratio=None)

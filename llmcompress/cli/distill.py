@@ -67,6 +67,7 @@ def distill_command(
     device: DeviceOpt = "auto",
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
+    save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for the saved checkpoint (default: the source model's dtype).")] = None,
     resume: ResumeOpt = False,
 ) -> None:
     """Distil a smaller student from TEACHER: layer-wise, easy-to-hard, from a cached teacher.
@@ -92,6 +93,7 @@ def distill_command(
         batch_size=batch_size, lr=lr, hidden_loss=hidden_loss.value, kl_weight=kl_weight, ce_weight=ce_weight,
         phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, e2e_lr=e2e_lr, precision=precision.value, cache_dtype=cache_dtype.value,
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
+        save_dtype=save_dtype,
     )
     dev, _ = resolve_device(device)
     info = from_env(dev.type)

@@ -97,6 +97,7 @@ class CollapseConfig:
     eval_tokens: int = 2048
     eval_seq_len: int = 512
     piqa_limit: int = 20
+    save_dtype: str | None = None  # dtype of saved checkpoints (None: the source model's; io/dtypes.py)
     version: int = 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,7 +105,7 @@ class CollapseConfig:
 
     def fingerprint(self) -> str:
         """Hash of the fields that decide the search result (a resume must match it)."""
-        skip = {"save", "eval_tokens", "eval_seq_len", "piqa_limit", "max_cache_gb", "generations"}
+        skip = {"save", "eval_tokens", "eval_seq_len", "piqa_limit", "max_cache_gb", "generations", "save_dtype"}
         d = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -112,6 +113,10 @@ class CollapseConfig:
         """Raise UserError on bad values; with `n_layers`, also check the layer budget against the depth."""
         if self.method not in METHODS:
             raise UserError(f"unknown method {self.method!r}", f"use one of {', '.join(METHODS)}")
+        if self.save_dtype is not None:
+            from llmcompress.io.dtypes import torch_dtype
+
+            torch_dtype(self.save_dtype)  # UserError on an unknown name
         if self.population <= 0:
             raise UserError(f"population must be positive, got {self.population}", "use --population 4 or more")
         if self.generations <= 0:

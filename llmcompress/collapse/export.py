@@ -122,7 +122,8 @@ def plot_front(path: Path, records: list[dict], baselines: list[dict], title: st
     tmp.replace(path)
 
 
-def save_solution(model, tokenizer, cand: Candidate, record: dict, out: Path, *, source: str, source_hash: str, config: dict, overwrite: bool):
+def save_solution(model, tokenizer, cand: Candidate, record: dict, out: Path, *, source: str, source_hash: str, config: dict, overwrite: bool,
+                  dtype: str | None = None):
     """Write the collapsed model as a HF checkpoint with its layer map in the manifest."""
     from llmcompress.io.checkpoint import build_manifest, save_checkpoint
 
@@ -136,7 +137,7 @@ def save_solution(model, tokenizer, cand: Candidate, record: dict, out: Path, *,
         metrics=metrics,
         extra={"layer_map": cand.layer_map(), "original_layers": sum(len(g) for g in cand.groups)},
     )
-    save_checkpoint(new, tokenizer, out, manifest=manifest, overwrite=overwrite)
+    save_checkpoint(new, tokenizer, out, manifest=manifest, overwrite=overwrite, dtype=dtype)
     return new
 
 

@@ -231,11 +231,13 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
     q = dict(eval_tokens=cfg.eval_tokens, seq_len=cfg.eval_seq_len, piqa_limit=cfg.piqa_limit)
     dense = {"name": "dense", "layers": L, "params": ev.total_params, "kl_calib": 0.0, "kl_val": 0.0, "changes": "original",
              **E.quality(lm.model, lm.tokenizer, **q)}
+    from llmcompress.io.dtypes import save_dtype_for
+
     saved = []
     for r in chosen:
         path = out_dir / "models" / r["name"]
         model = E.save_solution(lm.model, lm.tokenizer, cands[r["name"]], r, path, source=cfg.model, source_hash=lm.source_hash,
-                                config=cfg.to_dict(), overwrite=True)
+                                config=cfg.to_dict(), overwrite=True, dtype=save_dtype_for(lm, cfg.save_dtype))
         r.update(E.quality(model, lm.tokenizer, **q))
         r["checkpoint"] = str(path)
         saved.append(path)

@@ -111,6 +111,7 @@ class DistillConfig:
     eval_seq_len: int = 512
     seed: int = 0
     threads: int | None = None
+    save_dtype: str | None = None  # dtype of the saved student (None: the teacher's source dtype; io/dtypes.py)
     version: int = 1
 
     def __post_init__(self) -> None:
@@ -119,6 +120,10 @@ class DistillConfig:
         self.hidden_loss = HiddenLoss(self.hidden_loss)
         self.cache_dtype = CacheDtype(self.cache_dtype)
         self.precision = Precision(self.precision)
+        if self.save_dtype is not None:
+            from llmcompress.io.dtypes import torch_dtype
+
+            torch_dtype(self.save_dtype)  # UserError on an unknown name
 
     @property
     def learning_rate(self) -> float:

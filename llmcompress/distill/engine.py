@@ -532,6 +532,9 @@ def _save(run: _Run, student, lm, layer_map: list[dict], metrics: dict) -> Path:
         extra={"layer_map": layer_map, "segments": metrics["segments"]},
     )
     student.eval()
-    path = save_checkpoint(student, run.tokenizer, run.out / "student", manifest=manifest, overwrite=True)
+    from llmcompress.io.dtypes import save_dtype_for
+
+    path = save_checkpoint(student, run.tokenizer, run.out / "student", manifest=manifest, overwrite=True,
+                           dtype=save_dtype_for(lm, run.cfg.save_dtype))
     write_json(run.out / "metrics.json", metrics)
     return path

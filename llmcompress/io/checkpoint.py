@@ -52,6 +52,18 @@ def build_manifest(
     }
 
 
+def _cast_state(model, dtype) -> dict:
+    """The model's state dict with floating tensors in `dtype` (tied tensors stay shared)."""
+    memo: dict = {}
+    out = {}
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+        if key not in memo:
+            memo[key] = t.detach().to(dtype) if t.is_floating_point() else t
+        out[name] = memo[key]
+    return out
+
+
 def save_checkpoint(
     model,
     tokenizer,
@@ -59,21 +71,45 @@ def save_checkpoint(
     *,
     manifest: dict[str, Any],
     overwrite: bool = False,
+    dtype: str | None = None,
 ) -> Path:
-    """Write model (safetensors), tokenizer and manifest to `out`, atomically."""
+    """Write model (safetensors), tokenizer and manifest to `out`, atomically.
+
+    dtype: float32 | bfloat16 | float16 to save the floating tensors in (the model itself is not changed);
+    None saves them as they are. Engines pass the source model's dtype (io/dtypes.py) or --save-dtype.
+    The manifest states `dtype`, `parameters` and `bytes_on_disk` (the safetensors files).
+    """
     out = Path(out)
+    from llmcompress.io.dtypes import dtype_name, torch_dtype
     from llmcompress.io.load import _drop_quantization_config, quiet_transformers
 
     quiet_transformers()
     _drop_quantization_config(model)
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if dtype is None:
+            model.save_pretrained(tmp, safe_serialization=True)
+            dtype = dtype_name(next(model.parameters()).dtype)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=_cast_state(model, torch_dtype(dtype)))
+            _set_config_dtype(tmp / "config.json", dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         manifest = dict(manifest)
         manifest.setdefault("layers", model.config.num_hidden_layers)
         manifest.setdefault("parameters", sum(p.numel() for p in model.parameters()))
+        manifest["dtype"] = dtype
+        manifest["bytes_on_disk"] = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
         manifest["weights_sha256"] = weights_hash(model)
         write_json(tmp / MANIFEST, manifest)
         tmp.chmod(0o755)
     return out
+
+
+def _set_config_dtype(path: Path, dtype: str) -> None:
+    import json
+
+    cfg = json.loads(path.read_text())
+    cfg["dtype"] = dtype
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = dtype
+    write_json(path, cfg)

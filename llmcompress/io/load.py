@@ -54,6 +54,7 @@ class LoadedModel:
     adapter: ArchAdapter
     source_hash: str = ""
     manifest: dict = field(default_factory=dict)  # the llmcompress.json of the source, if any
+    source_dtype: str = "float32"  # dtype the source is distributed in (io/dtypes.py); outputs are saved in it
 
     @property
     def config(self):
@@ -264,7 +265,9 @@ def load_model(
         tok.pad_token = tok.eos_token
     log.info("loaded %s (%s) in %.1fs", spec, kind, time.perf_counter() - t0)
     adapter = adapter_for_type(model.config.model_type)
-    return LoadedModel(model, tok, str(spec), adapter, source_hash, manifest)
+    from llmcompress.io.dtypes import detect_source_dtype
+
+    return LoadedModel(model, tok, str(spec), adapter, source_hash, manifest, detect_source_dtype(kind, where))
 
 
 def _read_manifest(path: Path) -> dict:

@@ -26,6 +26,7 @@ class QuantizedWeight:
     zero: torch.Tensor  # (out, G) int32
     bits: int
     group_size: int
+    sym: bool = False  # zero is 2**(bits-1) everywhere
 
     def dequantize(self, dtype=None) -> torch.Tensor:
         return P.dequantize(self.q, self.scale, self.zero, self.group_size, dtype)
@@ -53,8 +54,8 @@ def quantize_model_(model: nn.Module, plan: MixedPrecisionPlan, progress: bool =
     items = list(targets.items())
     for fqn, cfg in track(items, "quantizing (RTN)") if progress else items:
         lin = modules[fqn]
-        q, s, z = P.quantize(lin.weight.data, cfg.bits, cfg.group_size)
-        qw = QuantizedWeight(q, s, z, cfg.bits, cfg.group_size)
+        q, s, z = P.quantize(lin.weight.data, cfg.bits, cfg.group_size, sym=cfg.sym)
+        qw = QuantizedWeight(q, s, z, cfg.bits, cfg.group_size, cfg.sym)
         with torch.no_grad():
             lin.weight.copy_(qw.dequantize(lin.weight.dtype))
         out[fqn] = qw

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, *, damp: float = 0.01, block: int = 128,
-                  act_order: bool = False):
+                  act_order: bool = False, sym: bool = False):
     """Quantize W (out, in) against Hessian H (in, in). Returns (q int32, scale (out, G), zero (out, G)).
 
     act_order: quantize the columns in order of decreasing Hessian diagonal (the inputs with the most energy
@@ -43,7 +43,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
     W[:, dead] = 0.0
     H += damp * torch.diag(H).mean() * torch.eye(inp, dtype=H.dtype)
     if act_order:
-        static = P.quant_params(W, bits, group_size)  # static groups, from the uncompensated weights
+        static = P.quant_params(W, bits, group_size, sym)  # static groups, from the uncompensated weights
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
         W, H = W[:, perm], H[perm][:, perm]
     else:
@@ -51,7 +51,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
     try:
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
     except RuntimeError:  # not positive definite even after damping: fall back to RTN
-        return P.quantize(W[:, torch.argsort(perm)], bits, group_size)
+        return P.quantize(W[:, torch.argsort(perm)], bits, group_size, sym=sym)
     qmax = 2**bits - 1
     G = inp // group_size
     scale, zero = static if act_order else (torch.zeros(out, G), torch.zeros(out, G, dtype=torch.int32))
@@ -65,7 +65,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
             col = int(perm[i1 + i])
             g = col // group_size
             if not act_order and col % group_size == 0:
-                s, z = P.quant_params(W1[:, i : i + group_size], bits, group_size)
+                s, z = P.quant_params(W1[:, i : i + group_size], bits, group_size, sym)
                 scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
             w = W1[:, i]
             q = (torch.round(w / scale[:, g]) + zero[:, g]).clamp(0, qmax)
@@ -111,8 +111,8 @@ def gptq_model_(model: nn.Module, plan: MixedPrecisionPlan, blocks: torch.Tensor
     items = list(targets.items())
     for fqn, cfg in track(items, "quantizing (GPTQ)") if progress else items:
         lin = modules[fqn]
-        q, s, z = gptq_quantize(lin.weight.data, hessians.pop(fqn), cfg.bits, cfg.group_size, act_order=act_order)
-        qw = QuantizedWeight(q, s, z, cfg.bits, cfg.group_size)
+        q, s, z = gptq_quantize(lin.weight.data, hessians.pop(fqn), cfg.bits, cfg.group_size, act_order=act_order, sym=cfg.sym)
+        qw = QuantizedWeight(q, s, z, cfg.bits, cfg.group_size, cfg.sym)
         with torch.no_grad():
             lin.weight.copy_(qw.dequantize(lin.weight.dtype))
         out[fqn] = qw

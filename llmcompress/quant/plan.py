@@ -16,12 +16,13 @@ from llmcompress.quant.primitives import MAX_BITS, MIN_BITS
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Weight-only group-wise asymmetric uniform quantization of one linear layer."""
+    """Weight-only group-wise uniform quantization of one linear layer (asymmetric unless `sym`)."""
 
     bits: int = 4
     group_size: int = 64
     method: str = "rtn"  # rtn | gptq
     version: int = 1
+    sym: bool = False  # symmetric: zero fixed at 2**(bits-1) (see primitives)
 
     def __post_init__(self) -> None:
         if not MIN_BITS <= self.bits <= MAX_BITS:
@@ -30,11 +31,14 @@ class QuantConfig:
             raise ValueError(f"group size must be positive, got {self.group_size}")
 
     def to_dict(self) -> dict:
-        return {"bits": self.bits, "group_size": self.group_size, "method": self.method}
+        d = {"bits": self.bits, "group_size": self.group_size, "method": self.method}
+        if self.sym:
+            d["sym"] = True
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> QuantConfig:
-        allowed = {"bits", "group_size", "method", "version"}
+        allowed = {"bits", "group_size", "method", "version", "sym"}
         unknown = set(d) - allowed
         if unknown:
             raise ValueError(f"unknown QuantConfig keys {sorted(unknown)}")

@@ -6,6 +6,9 @@ numbers bit for bit):
     scale s: (out, in // group_size), stored as float16 (rounded before it is used).
     zero z: (out, in // group_size), an integer in [0, 2**bits - 1] (stored packed at `bits` bits).
     q = clamp(round(W / s) + z, 0, 2**bits - 1);  W_hat = (q - z) * s   (computed in float32).
+    symmetric (`sym=True`): z = 2**(bits-1) for every group and s = absmax / ((2**bits - 1) / 2) (the
+    AutoGPTQ / compressed-tensors convention), so W_hat = s * (q - 2**(bits-1)), q in [0, 2**bits - 1]:
+    exactly ggml's Q4_0 (d * (q - 8)), Q5_0 (d * (q - 16)) and, with q - 128 as int8, Q8_0 (d * q).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.reshape(out, inp // group_size, group_size)  # (out, G, gs)
 
 
-def quant_params(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group (scale, zero) of asymmetric min/max quantization.
+def quant_params(w: torch.Tensor, bits: int, group_size: int, sym: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group (scale, zero) of asymmetric min/max quantization (symmetric absmax with `sym`).
 
     Returns scale (out, G) float32 holding float16-representable values, and zero (out, G) int32.
     """
@@ -41,6 +44,13 @@ def quant_params(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Ten
     check_bits(bits)
     g = _grouped(w.detach().float(), group_size)
     qmax = 2**bits - 1
+    if sym:
+        absmax = g.abs().amax(-1)
+        scale = (2 * absmax / qmax).clamp(min=1e-8)
+        s16 = scale.to(torch.float16)
+        s16 = torch.where(s16.float() < scale, torch.nextafter(s16, torch.full_like(s16, float("inf"))), s16)
+        scale = s16.float().clamp(min=float(torch.finfo(torch.float16).tiny))
+        return scale, torch.full_like(scale, 2 ** (bits - 1), dtype=torch.int32)
     lo = g.amin(-1).clamp(max=0.0)  # include 0 so that zero is exactly representable
     hi = g.amax(-1).clamp(min=0.0)
     scale = ((hi - lo) / qmax).clamp(min=1e-8)
@@ -52,12 +62,12 @@ def quant_params(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Ten
     return scale, zero
 
 
-def quantize(w: torch.Tensor, bits: int, group_size: int, scale=None, zero=None):
+def quantize(w: torch.Tensor, bits: int, group_size: int, scale=None, zero=None, sym: bool = False):
     """Round-to-nearest. Returns (q int32 (out, in), scale (out, G) float32, zero (out, G) int32)."""
     import torch
 
     if scale is None or zero is None:
-        scale, zero = quant_params(w, bits, group_size)
+        scale, zero = quant_params(w, bits, group_size, sym)
     g = _grouped(w.detach().float(), group_size)
     q = torch.round(g / scale[..., None]) + zero[..., None]
     q = q.clamp(0, 2**bits - 1).to(torch.int32)
