@@ -44,6 +44,7 @@ bench: install
 	$(BIN)/python bench/bench_collapse.py
 	$(BIN)/python bench/bench_distill.py
 	$(BIN)/python bench/bench_zip.py
+	$(BIN)/python bench/bench_runtime.py
 
 lint: install
 	$(BIN)/ruff check llmcompress tests bench examples

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -108,7 +109,8 @@ def export_all(work: Path, res: Results, names: list[str], gguf_from: Path | Non
         else:
             path = work / f"{name}.gguf"
             if gguf_from is not None and (gguf_from / f"{name}.gguf").is_file() and not path.is_file():
-                path = gguf_from / f"{name}.gguf"  # written by bench/bench_export.py
+                shutil.copyfile(gguf_from / f"{name}.gguf", path.with_suffix(".tmp"))  # written by bench_export.py
+                path.with_suffix(".tmp").replace(path)
                 r["exported_by"] = "bench/bench_export.py"
             elif not path.is_file():
                 source = "smollm2-135m" if src == "model" else str(collapse_dir(work))
@@ -138,7 +140,15 @@ def ppl_all(res: Results, names: list[str], args) -> None:
         todo = [s for s in sets for rt in ("torch", "llama.cpp") if f"ppl/{s[0]}/{rt}" not in r]
         if not todo:
             continue
-        lm = load_model(r["path"])
+        theirs = args.torch_from / f"{name}.json" if args.torch_from else None
+        if theirs is not None and theirs.is_file() and "ppl/wikitext2/torch" not in r:
+            t = json.loads(theirs.read_text())  # bench_export.py: torch on the in-memory weights the file holds
+            if t.get("tokens") == args.max_tokens and args.seq_len == 512:
+                r["ppl/wikitext2/torch"], r["ppl/wikitext2/tokens_scored"] = t["ppl_torch"], t["tokens_scored"]
+                r["ppl/wikitext2/torch_by"] = "bench/bench_export.py (in-memory weights)"
+        need_torch = any(f"ppl/{d}/torch" not in r for d, _, _ in sets)
+        lm = load_model(r["path"]) if need_torch else None
+        tokenizer = lm.tokenizer if lm else _source_tokenizer()  # every file here holds the source's vocabulary
         for data, split, n in sets:
             if f"ppl/{data}/torch" not in r:
                 t0 = time.perf_counter()
@@ -148,7 +158,7 @@ def ppl_all(res: Results, names: list[str], args) -> None:
                 res.save()
             if f"ppl/{data}/llama.cpp" not in r:
                 t0 = time.perf_counter()
-                out = llamacpp_perplexity(r["path"], lm.tokenizer, data, split=split, seq_len=args.seq_len, max_tokens=n,
+                out = llamacpp_perplexity(r["path"], tokenizer, data, split=split, seq_len=args.seq_len, max_tokens=n,
                                           threads=args.ppl_threads)
                 assert out["tokens_scored"] == r[f"ppl/{data}/tokens_scored"]
                 r[f"ppl/{data}/llama.cpp"] = out["ppl"]
@@ -156,6 +166,12 @@ def ppl_all(res: Results, names: list[str], args) -> None:
                 res.save()
             print(f"{name} {data}: torch {r[f'ppl/{data}/torch']:.4f}  llama.cpp {r[f'ppl/{data}/llama.cpp']:.4f}")
         del lm
+
+
+def _source_tokenizer():
+    from llmcompress.io.load import load_model
+
+    return load_model("smollm2-135m").tokenizer
 
 
 def speed_all(res: Results, names: list[str], args) -> None:
@@ -259,6 +275,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ppl-threads", type=int, default=1)
+    ap.add_argument("--torch-from", type=Path, default=None,
+                    help="bench_export.py's --work folder: take its torch perplexity (same tokens) instead of recomputing")
     ap.add_argument("--gguf-from", type=Path, default=None, help="bench_export.py's --work folder (reuse its GGUFs)")
     ap.add_argument("--shakespeare-tokens", type=int, default=0, help="also tinyshakespeare valid (0: skip)")
     ap.add_argument("--steps", default="export,ppl,speed")
