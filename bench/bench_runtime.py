@@ -40,6 +40,11 @@ from pathlib import Path
 
 os.environ.setdefault("LLMCOMPRESS_PROGRESS", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# llama-cpp-python's wheel builds ggml with OpenMP, whose threads spin at every barrier: on cores shared with
+# other work, 2 threads then decode ~25x slower than 1 (measured 0.97 vs 25.6 tok/s at load 6 on 2 cores).
+# Passive waiting (threads sleep at barriers) keeps the timings meaningful on a shared machine; it is read when
+# llama.cpp's OpenMP runtime loads, so it is set before the first import. Override with OMP_WAIT_POLICY=ACTIVE.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
 COLLAPSE = ["collapse", "smollm2-135m", "--method", "shortgpt", "--target-layers", "22"]
@@ -186,6 +191,7 @@ def speed_all(res: Results, names: list[str], args) -> None:
         one = llamacpp_speed(r["path"], threads=1)
         r["prefill_tokens_per_s_1t"], r["decode_tokens_per_s_1t"] = one["prefill_tokens_per_s"], one["decode_tokens_per_s"]
         r["load_average"] = f"{before} -> {load_average()}"
+        r["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "")
         r["timed_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         res.save()
         print(f"{name}: prefill {r['prefill_tokens_per_s']:.1f} tok/s, decode {r['decode_tokens_per_s']:.1f} tok/s "
@@ -299,7 +305,7 @@ def main() -> None:
     md = [
         "# GGUF exports in llama.cpp vs torch (bench/bench_runtime.py)", "",
         f"Machine: {cpu_model()}, {os.cpu_count()} cores; {args.threads} threads; llama-cpp-python "
-        f"{_llama_cpp_version()}; perplexity: first {args.max_tokens} WikiText-2 test tokens, windows of {args.seq_len}.",
+        f"{_llama_cpp_version()} (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}); perplexity: first {args.max_tokens} WikiText-2 test tokens, windows of {args.seq_len}.",
         "", table(res, names, args), "", "Goals:", "", *[f"- {g}" for g in goals(res, names)], "",
         "Timings (load average before -> after each model's speed run):", "",
         *[f"- {n}: {res.get(n).get('timed_at', '-')}, load {res.get(n).get('load_average', '-')}" for n in names], "",

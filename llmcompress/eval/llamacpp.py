@@ -8,6 +8,10 @@ evaluation scores (`eval.perplexity.perplexity_blocks`: same tokenizer ids, wind
 each window scored on its own, seq_len - 1 predictions per window), and the negative log-likelihood is
 taken from llama.cpp's own logits of every position (`logits_all=True`). The two numbers are therefore
 directly comparable: any gap is the runtime's arithmetic (quantized activations in its dot products).
+
+Speed on a shared machine: ggml's OpenMP threads spin at barriers, so with the cores oversubscribed a
+multi-threaded run slows down by an order of magnitude; `OMP_WAIT_POLICY=PASSIVE` in the environment (read
+when llama.cpp loads) avoids it. It is left to the user: on idle cores spinning is the faster choice.
 """
 
 from __future__ import annotations
