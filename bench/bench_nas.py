@@ -52,8 +52,9 @@ def main() -> None:
         "",
         "Command: `" + " ".join(["python", *cmd[1:]]) + "`",
         "",
-        f"Wall time {wall / 60:.1f} min on {os.cpu_count()} CPU cores, load average at start {load0:.1f}. Packed checkpoint on disk "
-        f"{arch.get('packed_disk_mb', 0):.1f} MB, HF (float32, zero-padded) {arch.get('hf_disk_mb', 0):.1f} MB.",
+        f"Wall time {wall / 60:.1f} min on {os.cpu_count()} CPU cores, load average at start {load0:.1f}. hf/ (dequantized, "
+        f"{arch.get('hf_dtype', 'float32')}, zero-padded) {arch.get('hf_disk_mb', 0):.1f} MB"
+        + "".join(f"; {f} {e['bytes'] / 1e6:.1f} MB" for f, e in arch.get("exports", {}).items()) + ".",
         "",
         report.split("\n", 2)[2],
     ]

@@ -101,6 +101,8 @@ def test_tiny_pareto_run_writes_everything(tmp_path, tiny_hf_dir, tiny_spec):
     m = AutoModelForCausalLM.from_pretrained(models[0])
     assert m.config.num_hidden_layers == len(manifest["layer_map"]) == manifest["layers"]
     assert sorted(i for e in manifest["layer_map"] for i in e["sources"]) == list(range(4))
+    assert manifest["dtype"] == "float32" and manifest["bytes_on_disk"] == (models[0] / "model.safetensors").stat().st_size
+    assert "Checkpoints on disk:" in (out / "report.md").read_text()
     # a run killed without cleanup (SIGKILL) leaves spilled states behind; the next run in the dir removes them
     stale = out / "collapse-states-killed"
     stale.mkdir()

@@ -51,13 +51,11 @@ def test_existing_out_and_bad_spec(tiny_hf_dir, tmp_path):
 
 def test_tiny_end_to_end(tiny_hf_dir, tmp_path):
     from llmcompress.io.load import load_model
-    from llmcompress.nas.packed import load_packed
-
     spec = tmp_path / "s.yaml"
     spec.write_text("seq_len: 32\nbatch_size: 2\ncontext_len: 32\neval_seq_len: 64\ncheckpoint_every: 1\nrefine_evals: 6\nrefine_blocks: 4\n")
     out = tmp_path / "run"
     r = nas(tiny_hf_dir, "--spec", spec, "--target-latency", "0.7", "--target-bits", "4", "--train-tokens", "128",
-            "--eval-tokens", "256", "--baselines", "uniform", "--out", out)
+            "--eval-tokens", "256", "--baselines", "uniform", "--export", "compressed-tensors", "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
     arch = json.loads((out / "arch.json").read_text())
     assert arch["avg_bits"] <= 4.0 + 1e-9 and arch["modeled_latency"] <= 0.7 + 1e-9 and arch["size_mb"] > 0
@@ -71,8 +69,11 @@ def test_tiny_end_to_end(tiny_hf_dir, tmp_path):
     assert arch["quant_method"] == "gptq"
     hf = load_model(str(out / "hf"))
     assert hf.manifest["method"] == "nas-joint"
-    packed, tok = load_packed(out / "packed")
-    assert packed.config.num_hidden_layers == arch["architecture"]["kept"]
+    assert hf.source_dtype == "float32" and hf.manifest["dtype"] == "float32"  # the tiny source is float32
+    ct = json.loads((out / "compressed-tensors" / "config.json").read_text())
+    assert ct["num_hidden_layers"] == arch["architecture"]["kept"] and ct["quantization_config"]["format"] == "pack-quantized"
+    assert arch["exports"]["compressed-tensors"]["bytes"] == (out / "compressed-tensors" / "model.safetensors").stat().st_size
+    assert not (out / "packed").exists()
     # resume of a finished run redoes nothing in the search and rewrites the same architecture
     r2 = nas(tiny_hf_dir, "--spec", spec, "--target-latency", "0.7", "--target-bits", "4", "--train-tokens", "128",
              "--eval-tokens", "0", "--baselines", "", "--out", out, "--resume")

@@ -1,4 +1,4 @@
-"""NAS on a tiny llama: channel ranking is exact, sliced == zero-padded, packed reload and HF export match,
+"""NAS on a tiny llama: channel ranking is exact, sliced == zero-padded, HF, GGUF and compressed-tensors exports match,
 and a searched architecture respects its targets."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from conftest import TINY_VOCAB, tiny_model
 from llmcompress.nas import export as E
 from llmcompress.nas.config import NasConfig
 from llmcompress.nas.cost import build_cost_models
-from llmcompress.nas.packed import load_packed
 from llmcompress.nas.search import check_reachable, search_joint, search_sequential, search_uniform
 from llmcompress.nas.space import Arch, build_space, mlp_channel_importance, permute_mlp_
 
@@ -70,41 +69,78 @@ def test_sliced_prefix_equals_zero_padded():
     torch.testing.assert_close(logits(padded), logits(derived), rtol=0, atol=1e-5)
 
 
-def test_packed_reload_identical_and_hf_export_matches(tmp_path, tiny_hf_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _byte_bpe(n: int):
+    """A byte-level BPE tokenizer with exactly `n` = 256 tokens (the tiny models' vocabulary): no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
-    model, _, space = _setup(target_bits=4)
-    arch = _some_arch(space)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    assert len(alphabet) == n
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=alphabet[0])
+
+
+def test_hf_and_exports_match_the_derived_model(tmp_path):
+    import json
+
+    import gguf
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model, cfg, space = _setup(target_bits=6, bits=[4, 8, 16], export=["gguf", "compressed-tensors"])
+    cfg.validate()
+    arch = Arch.dense(space, bits_idx=0)
+    arch.keep[1] = False
+    arch.width = [0, 3, 1, 2]
+    arch.bits[0][6] = 1  # an 8-bit layer
+    arch.bits[2][0] = 2  # a 16-bit layer
     derived = E.derive_model(model, space, arch)
-    plan = E.plan_of(space, arch)
+    plan = E.plan_of(space, arch, sym8=True)
     qw = E.quantize_derived(derived, plan)
-    assert qw["model.layers.0.mlp.down_proj"].bits == 2 and qw["model.layers.1.self_attn.q_proj"].bits == 16
-    tok = AutoTokenizer.from_pretrained(tiny_hf_dir)
-    E.save_packed(derived, tok, qw, plan, tmp_path / "packed", {"method": "test"})
-    again, tok2 = load_packed(tmp_path / "packed", torch.float32)
-    assert tok2 is not None
-    assert torch.equal(logits(again), logits(derived))
-    E.save_hf(derived, tok, tmp_path / "hf", {"method": "test"}, space.intermediate)
+    eight = [q for q in qw.values() if q.bits == 8]
+    assert eight and all(q.sym for q in eight) and not any(q.sym for q in qw.values() if q.bits == 4)
+    tok = _byte_bpe(TINY_VOCAB)
+    E.save_hf(derived, tok, tmp_path / "hf", {"method": "test"}, space.intermediate, dtype="float32")
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert plain.config.intermediate_size == space.intermediate
     torch.testing.assert_close(logits(plain), logits(derived), rtol=0, atol=1e-5)
-    packed_bytes = (tmp_path / "packed" / "model.safetensors").stat().st_size
-    hf_bytes = (tmp_path / "hf" / "model.safetensors").stat().st_size
-    assert packed_bytes < hf_bytes / 3
+    res = E.save_exports(derived, tok, qw, tmp_path, ["gguf", "compressed-tensors"], space.intermediate, "float32", {"method": "test"})
+    assert "zero-padded" in res["gguf"]["note"]
+    assert not (tmp_path / "packed").exists()
+    # GGUF: per-tensor types carry the plan; transformers runs it with the derived model's logits
+    r = gguf.GGUFReader(str(tmp_path / "gguf" / "model.gguf"))
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert int(r.fields["llama.block_count"].contents()) == 3
+    assert types["blk.0.ffn_down.weight"] == "Q8_0" and types["blk.1.attn_q.weight"] == "F32"
+    assert types["blk.0.attn_q.weight"] == "Q4_1"
+    got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "gguf"), gguf_file="model.gguf", dtype=torch.float32).eval()
+    ref = logits(derived)
+    err = (logits(got) - ref).abs().max() / ref.abs().max()
+    assert 0 < err < 5e-3, err  # Q4_1 minimum rounding only (symmetric is exact; per-weight bound: test_export.py)
+    # compressed-tensors: its own decompressor gives back the zero-padded weights exactly
+    ct = tmp_path / "compressed-tensors"
+    qc = QuantizationConfig.model_validate(json.loads((ct / "config.json").read_text())["quantization_config"])
+    tensors = load_file(str(ct / "model.safetensors"))
+    padded = E.zero_padded(derived, space.intermediate)
+    for fqn in [f for f, q in qw.items() if q.bits < 16]:
+        scheme = next(s for s in qc.config_groups.values() if fqn in s.targets)
+        sd = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == fqn}
+        w = PackedQuantizationCompressor.decompress(sd, scheme)["weight"].float()
+        assert torch.equal(w, padded.get_submodule(fqn).weight.detach()), fqn
 
 
-def test_size_model_matches_packed_tensors(tmp_path):
-    model, cfg, space = _setup(target_bits=4)
-    costs = build_cost_models(model, space, "analytic", 32)
-    arch = _some_arch(space)
-    derived = E.derive_model(model, space, arch)
-    plan = E.plan_of(space, arch)
-    qw = E.quantize_derived(derived, plan)
-    E.save_packed(derived, None, qw, plan, tmp_path / "p", {})
-    from safetensors.torch import load_file
+def test_gguf_export_refuses_bits_it_cannot_store():
+    from llmcompress.errors import UserError
 
-    stored = sum(t.numel() * t.element_size() for t in load_file(tmp_path / "p" / "model.safetensors").values())
-    assert abs(costs.metrics(arch)["size_mb"] * 1e6 - stored) / stored < 0.01
+    with pytest.raises(UserError, match="cannot store"):
+        NasConfig(target_bits=4, export=["gguf"]).validate()  # default bits include 2 and 3
+    NasConfig(target_bits=4, bits=[4, 8, 16], export=["gguf"]).validate()
+    with pytest.raises(UserError, match="unknown export format"):
+        NasConfig(target_bits=4, export=["onnx"]).validate()
 
 
 @pytest.mark.parametrize("mode", ["joint", "sequential", "uniform"])

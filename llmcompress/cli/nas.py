@@ -41,11 +41,13 @@ def nas_command(
     eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report (0 skips).")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed.")] = None,
     spec: Annotated[Optional[Path], typer.Option("--spec", help="YAML search spec (CLI flags override its fields).")] = None,
+    export: Annotated[Optional[str], typer.Option("--export", help="Deployable formats next to hf/: gguf, compressed-tensors (comma-separated).")] = None,
+    save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for saved float tensors (default: the source model's dtype).")] = None,
     resume: ResumeOpt = False,
     overwrite: OverwriteOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (refused if it exists, unless --overwrite/--resume).")] = None,
 ) -> None:
-    """Search layer skips, MLP widths and per-layer bit widths under a latency/size/bits target; export packed + HF checkpoints."""
+    """Search layer skips, MLP widths and per-layer bit widths under a latency/size/bits target; save hf/ (dequantized) and --export gguf/compressed-tensors."""
     from llmcompress.errors import UserError
     from llmcompress.nas.config import NasConfig, config_from_dict, load_spec
 
@@ -58,6 +60,8 @@ def nas_command(
         "train_tokens": train_tokens, "eval_tokens": eval_tokens, "seed": seed,
         "bits": _int_list(bits, "--bits") if bits is not None else None,
         "baselines": [b.strip() for b in baselines.split(",") if b.strip()] if baselines is not None else None,
+        "export": [f.strip() for f in export.split(",") if f.strip()] if export is not None else None,
+        "save_dtype": save_dtype,
     }
     cfg = config_from_dict({k: v for k, v in overrides.items() if v is not None}, base=cfg)
     cfg.validate()
@@ -69,4 +73,6 @@ def nas_command(
     run = run_nas(cfg, out, overwrite=overwrite, resume=resume)
     a = run.arch
     typer.echo(f"wrote {run.out_dir}: avg bits {a['avg_bits']:.2f}, modeled latency {a['modeled_latency']:.3f}, "
-               f"size {a['size_mb']:.1f} MB, packed on disk {a.get('packed_disk_mb', 0):.1f} MB")
+               f"size {a['size_mb']:.1f} MB, hf/ (dequantized, {a.get('hf_dtype')}) {a.get('hf_disk_mb', 0):.1f} MB")
+    for fmt, e in a.get("exports", {}).items():
+        typer.echo(f"  {fmt}: {e['path']} ({e['bytes'] / 1e6:.1f} MB)" + (f"; {e['note']}" if e.get("note") else ""))

@@ -188,6 +188,10 @@ def write_report(path: Path, rows: list[dict], meta: dict) -> None:
             f"| {r['name']} | {r['layers']} | {r['params'] / 1e6:.1f}M | {_fmt(r.get('kl_calib'))} | {_fmt(r.get('kl_val'))} | "
             f"{_fmt(r.get('ppl_wikitext2'), '.2f')} | {_fmt(r.get('piqa_acc'))} | {r.get('changes', '')} |"
         )
+    saved = [r for r in rows if r.get("bytes_on_disk")]
+    if saved:
+        lines += ["", "Checkpoints on disk: " + "; ".join(
+            f"{r['name']}: {r['bytes_on_disk'] / 1e6:.1f} MB ({r.get('dtype')}, {r['params'] / 1e6:.1f}M parameters)" for r in saved)]
     errors = sorted({r[k] for r in rows for k in ("ppl_error", "piqa_error") if r.get(k)})
     if errors:
         lines += ["", "Notes:"] + [f"- {e}" for e in errors]

@@ -240,6 +240,12 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
                                 config=cfg.to_dict(), overwrite=True, dtype=save_dtype_for(lm, cfg.save_dtype))
         r.update(E.quality(model, lm.tokenizer, **q))
         r["checkpoint"] = str(path)
+        import json
+
+        from llmcompress.io.checkpoint import MANIFEST
+
+        saved_manifest = json.loads((path / MANIFEST).read_text())
+        r["bytes_on_disk"], r["dtype"] = saved_manifest.get("bytes_on_disk"), saved_manifest.get("dtype")
         saved.append(path)
         del model
     for r in baseline_rows:

@@ -431,7 +431,14 @@ def distill(
         metrics["student_ppl"] = _eval_ppl(student, run.tokenizer, cfg)
     metrics["wall_s"] = round(time.perf_counter() - t_start, 2)
     student_dir = _save(run, student, lm, layer_map, metrics)
+    import json
+
     from llmcompress.distill.report import write_report
+    from llmcompress.io.checkpoint import MANIFEST
+
+    saved = json.loads((student_dir / MANIFEST).read_text())
+    metrics["student_bytes_on_disk"], metrics["student_dtype"] = saved.get("bytes_on_disk"), saved.get("dtype")
+    write_json(out / "metrics.json", metrics)
 
     write_report(out, cfg, metrics)
     return DistillResult(out, student_dir, layer_map, segments, metrics)

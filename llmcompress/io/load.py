@@ -187,7 +187,7 @@ def _looks_like_hub_id(spec: str) -> bool:
 
 
 def resolve(spec: str) -> tuple[str, Path | str]:
-    """Classify a model spec: ("alias"|"dir"|"gguf"|"zipped"|"packed"|"hub", location). Raises UserError."""
+    """Classify a model spec: ("alias"|"dir"|"gguf"|"zipped"|"hub", location). Raises UserError."""
     if spec in ALIASES:
         return "alias", spec
     path = Path(spec).expanduser()
@@ -200,8 +200,9 @@ def resolve(spec: str) -> tuple[str, Path | str]:
             raise ModelNotFound(f"{path} is a file, not a model", "pass a model directory, a .gguf file or an alias")
         if _is_zipped(path):
             return "zipped", path
-        if (path / "packed.json").is_file():
-            return "packed", path
+        if (path / "packed.json").is_file():  # the old nas packed/ format: refused, never loaded as a wrong model
+            raise UserError(f"{path} is an old llmcompress packed checkpoint, which is no longer supported",
+                            "re-run nas with --export gguf or --export compressed-tensors")
         _check_model_dir(path)
         return "dir", path
     if _looks_like_hub_id(spec):
@@ -223,8 +224,7 @@ def load_model(
 
     Args:
         spec: an alias (`smollm2-135m`), a local HF directory, a `.gguf` file, a zipped checkpoint
-            directory (`llmcompress zip`), a packed mixed-precision checkpoint (`llmcompress nas`), or
-            a hub id (needs the network).
+            directory (`llmcompress zip`), or a hub id (needs the network).
         dtype: torch dtype of the weights (float32 by default).
         device: where to put the model.
         trust_remote_code: passed to transformers; off unless asked.
@@ -248,11 +248,6 @@ def load_model(
         from llmcompress.lossless.container import load_zipped_model
 
         model, tok = load_zipped_model(Path(where), dtype=dtype)
-        manifest = _read_manifest(Path(where))
-    elif kind == "packed":
-        from llmcompress.nas.packed import load_packed
-
-        model, tok = load_packed(Path(where), dtype=dtype)
         manifest = _read_manifest(Path(where))
     elif kind == "dir":
         model, tok = _from_dir(Path(where), dtype, trust_remote_code)

@@ -1,6 +1,6 @@
 """`llmcompress nas`: differentiable architecture search jointly with mixed-precision quantization.
 
-See README.md in this folder. Public entry points: `NasConfig`, `run_nas`, `load_packed`.
+See README.md in this folder. Public entry points: `NasConfig`, `run_nas`.
 """
 
 from llmcompress.nas.config import NasConfig, config_from_dict, load_spec
@@ -12,10 +12,4 @@ def run_nas(*args, **kwargs):
     return _run(*args, **kwargs)
 
 
-def load_packed(path, dtype=None):
-    from llmcompress.nas.packed import load_packed as _load
-
-    return _load(path, dtype)
-
-
-__all__ = ["NasConfig", "config_from_dict", "load_spec", "run_nas", "load_packed"]
+__all__ = ["NasConfig", "config_from_dict", "load_spec", "run_nas"]

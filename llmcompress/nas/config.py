@@ -14,6 +14,7 @@ from llmcompress.errors import UserError
 
 MODES = ("joint", "sequential", "uniform")
 COST_MODELS = ("lut", "analytic")
+EXPORT_FORMATS = ("gguf", "compressed-tensors")
 Mode = Literal["joint", "sequential", "uniform"]
 
 
@@ -54,6 +55,11 @@ class NasConfig:
         checkpoint_every: steps between atomic search checkpoints (for --resume).
         eval_tokens, eval_seq_len: WikiText-2 raw test tokens for the report's perplexity (0 skips).
         measure_speed: measure CPU prefill/decode speed of the results.
+        export: deployable formats written next to hf/ (gguf -> OUT/gguf/model.gguf, compressed-tensors ->
+            OUT/compressed-tensors/); gguf needs every searched bit width in 4, 5, 8, 16 (llama.cpp has
+            no kernel for 2/3-bit on 576-wide rows) and a group size divisible by 32; with gguf, 8-bit
+            layers are quantized symmetric (Q8_0).
+        save_dtype: dtype of the saved float tensors (None: the source model's; io/dtypes.py).
     """
 
     model: str = "smollm2-135m"
@@ -90,6 +96,8 @@ class NasConfig:
     eval_tokens: int = 8192
     eval_seq_len: int = 512
     measure_speed: bool = True
+    export: list[str] = field(default_factory=list)
+    save_dtype: str | None = None
     seed: int = 0
     version: int = 4
 
@@ -106,7 +114,7 @@ class NasConfig:
 
     def fingerprint(self) -> str:
         """Hash of the fields that decide the search (a resume must match it)."""
-        skip = {"eval_tokens", "eval_seq_len", "measure_speed", "checkpoint_every", "baselines"}
+        skip = {"eval_tokens", "eval_seq_len", "measure_speed", "checkpoint_every", "baselines", "export", "save_dtype"}
         d = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -145,6 +153,20 @@ class NasConfig:
             raise UserError("refine_evals must be >= 0 and refine_blocks >= 1", "e.g. refine_evals: 24, refine_blocks: 32")
         if not 0 < self.min_keep_frac <= 1:
             raise UserError("min_keep_frac must lie in (0, 1]", "e.g. 0.5")
+        for f in self.export:
+            if f not in EXPORT_FORMATS:
+                raise UserError(f"unknown export format {f!r}", f"use --export {','.join(EXPORT_FORMATS)} (or a subset)")
+        if "gguf" in self.export:
+            bad = sorted(b for b in set(self.bits) if b not in (4, 5, 8, 16))
+            if bad:
+                raise UserError(f"--export gguf cannot store {bad}-bit layers (no llama.cpp block of 32 for them; K-quants "
+                                "need rows divisible by 256)", "search with --bits 4,8,16 (or 4,5,8,16)")
+            if self.group_size and self.group_size % 32:
+                raise UserError(f"--export gguf needs a group size divisible by 32, got {self.group_size}", "use --group-size 32 or 64")
+        if self.save_dtype is not None:
+            from llmcompress.io.dtypes import torch_dtype
+
+            torch_dtype(self.save_dtype)
 
 
 def config_from_dict(d: dict[str, Any], base: NasConfig | None = None) -> NasConfig:

@@ -1,15 +1,21 @@
-"""Derive a physically smaller model from an `Arch`, quantize it by its plan, save packed + HF checkpoints.
+"""Derive a physically smaller model from an `Arch`, quantize it by its plan, save HF + deployable exports.
 
 * derive_model: copies the (channel-ranked) teacher, keeps the first `width` MLP channels of each kept
   layer (truly smaller tensors) and removes skipped layers with llmcompress.io.surgery.
 * plan_of: the MixedPrecisionPlan (new module FQN -> bits, group size) of the derived model.
-* quantize_derived: RTN-quantizes the planned linears (weights become their dequantized values) and
-  rounds every other floating tensor to float16, exactly what the packed checkpoint stores.
-* save_packed: integer weights (bit-packed) + float16 scales + packed zeros in safetensors, the plan in
-  `packed.json` and in the manifest. Loaded by `llmcompress.nas.packed.load_packed`.
-* save_hf: a dequantized checkpoint plain transformers loads. A LlamaConfig has one intermediate_size,
-  so pruned MLP channels are zero-padded back to it: a zero row of gate/up and a zero column of down
-  contribute exactly nothing, so outputs are the same as the sliced model's.
+* quantize_derived: RTN- or GPTQ-quantizes the planned linears (weights become their dequantized values)
+  and rounds every other floating tensor to float16.
+* save_hf: a *dequantized* checkpoint for evaluation, which plain transformers loads (in the source dtype).
+  A LlamaConfig has one intermediate_size, so pruned MLP channels are zero-padded back to it: a zero row
+  of gate/up and a zero column of down contribute exactly nothing, so outputs equal the sliced model's.
+* save_exports: the integer weights as GGUF (OUT/gguf/model.gguf) and compressed-tensors
+  (OUT/compressed-tensors/), through llmcompress.export. Per-layer MLP widths are zero-padded there too
+  (padding rows/groups hold q = z, so they dequantize to exactly 0 in both formats): the files are no
+  smaller than a dense-width model at the same bits; llama.cpp's `deci` architecture (per-layer FFN
+  sizes) would avoid that and is not used yet.
+
+(The former `packed/` folder, a private bit stream that AutoModelForCausalLM opened as a silently wrong
+model, is gone: GGUF and compressed-tensors replace it.)
 """
 
 from __future__ import annotations
@@ -23,12 +29,8 @@ import torch.nn as nn
 from llmcompress.io.adapters import get_adapter
 from llmcompress.io.surgery import keep_layers
 from llmcompress.nas.space import Arch, SearchSpace
-from llmcompress.quant import primitives as P
 from llmcompress.quant.apply import QuantizedWeight, quantize_model_
 from llmcompress.quant.plan import MixedPrecisionPlan, QuantConfig
-
-PACKED_MARKER = "packed.json"
-PACKED_FORMAT = "llmcompress-packed-v1"
 
 
 def _sliced(lin: nn.Linear, rows: int | None = None, cols: int | None = None) -> nn.Linear:
@@ -62,14 +64,16 @@ def derive_model(teacher, space: SearchSpace, arch: Arch):
     return model.eval()
 
 
-def plan_of(space: SearchSpace, arch: Arch) -> MixedPrecisionPlan:
+def plan_of(space: SearchSpace, arch: Arch, sym8: bool = False) -> MixedPrecisionPlan:
+    """The derived model's plan; `sym8`: 8-bit layers symmetric (GGUF's Q8_0 is)."""
     plan = MixedPrecisionPlan()
     new = 0
     for i in range(space.n_layers):
         if not arch.keep[i]:
             continue
         for name, b in zip(space.linears, arch.bits[i]):
-            plan[space.fqn(new, name)] = QuantConfig(bits=space.bits[b], group_size=space.group_size)
+            bits = space.bits[b]
+            plan[space.fqn(new, name)] = QuantConfig(bits=bits, group_size=space.group_size, sym=sym8 and bits == 8)
         new += 1
     plan["_default"] = None  # embeddings, norms and head stay float16
     return plan
@@ -94,52 +98,6 @@ def quantize_derived(model, plan: MixedPrecisionPlan, method: str = "rtn", block
             if name not in quantized and p.is_floating_point():
                 p.copy_(p.to(torch.float16).to(p.dtype))
     return qweights
-
-
-def _unique_state(model) -> dict[str, torch.Tensor]:
-    """State dict without tied duplicates (the first name of each storage wins)."""
-    seen, out = set(), {}
-    for name, t in model.state_dict().items():
-        key = (t.data_ptr(), tuple(t.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = t
-    return out
-
-
-def save_packed(model, tokenizer, qweights: dict[str, QuantizedWeight], plan, out: Path, manifest: dict, overwrite=True) -> Path:
-    """Write the packed checkpoint (see module docstring) atomically to `out`."""
-    from safetensors.torch import save_file
-
-    from llmcompress.io.atomic import atomic_dir, write_json
-    from llmcompress.io.load import _drop_quantization_config
-
-    _drop_quantization_config(model)
-    tensors, qmeta = {}, {}
-    for name, t in _unique_state(model).items():
-        fqn = name[: -len(".weight")] if name.endswith(".weight") else None
-        if fqn in qweights:
-            qw = qweights[fqn]
-            tensors[f"{fqn}.qweight"] = P.pack(qw.q, qw.bits)
-            tensors[f"{fqn}.scales"] = qw.scale.to(torch.float16).contiguous()
-            tensors[f"{fqn}.qzeros"] = P.pack(qw.zero, qw.bits)
-            qmeta[fqn] = {"bits": qw.bits, "group_size": qw.group_size, "shape": list(qw.q.shape)}
-        elif t.is_floating_point():
-            tensors[name] = t.detach().to(torch.float16).contiguous()
-        else:
-            tensors[name] = t.detach().contiguous()
-    marker = {"format": PACKED_FORMAT, "mlp_widths": mlp_widths(model), "quantized": qmeta, "plan": plan.to_dict(),
-              "other_dtype": "float16"}
-    with atomic_dir(Path(out), overwrite=overwrite) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        model.config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_json(tmp / PACKED_MARKER, marker)
-        write_json(tmp / "llmcompress.json", {**manifest, "plan": plan.to_dict(), "packed": True})
-        tmp.chmod(0o755)
-    return Path(out)
 
 
 def zero_padded(model, width: int):
@@ -175,9 +133,73 @@ def zero_padded(model, width: int):
     return padded
 
 
-def save_hf(model, tokenizer, out: Path, manifest: dict, intermediate: int, overwrite=True) -> Path:
+def save_hf(model, tokenizer, out: Path, manifest: dict, intermediate: int, overwrite=True, dtype: str | None = None) -> Path:
     from llmcompress.io.checkpoint import save_checkpoint
 
     padded = zero_padded(model, intermediate)
     padded.config.intermediate_size = intermediate
-    return save_checkpoint(padded, tokenizer, Path(out), manifest=manifest, overwrite=overwrite)
+    manifest = {**manifest, "contents": "dequantized weights (for evaluation; deploy gguf/ or compressed-tensors/)"}
+    return save_checkpoint(padded, tokenizer, Path(out), manifest=manifest, overwrite=overwrite, dtype=dtype)
+
+
+def _pad_qweight(qw: QuantizedWeight, rows: int = 0, cols: int = 0) -> QuantizedWeight:
+    """Append `rows` output rows / `cols` input columns that dequantize to exactly 0 (q = z, scale 1)."""
+    z = 2 ** (qw.bits - 1) if qw.sym else 0
+    q, s, zero = qw.q, qw.scale, qw.zero
+    if rows:
+        q = torch.cat([q, torch.full((rows, q.shape[1]), z, dtype=q.dtype)])
+        s = torch.cat([s, torch.ones(rows, s.shape[1], dtype=s.dtype)])
+        zero = torch.cat([zero, torch.full((rows, zero.shape[1]), z, dtype=zero.dtype)])
+    if cols:
+        if cols % qw.group_size:
+            raise ValueError(f"padding of {cols} columns is not a whole number of groups of {qw.group_size}")
+        g = cols // qw.group_size
+        q = torch.cat([q, torch.full((q.shape[0], cols), z, dtype=q.dtype)], 1)
+        s = torch.cat([s, torch.ones(s.shape[0], g, dtype=s.dtype)], 1)
+        zero = torch.cat([zero, torch.full((zero.shape[0], g), z, dtype=zero.dtype)], 1)
+    return QuantizedWeight(q, s, zero, qw.bits, qw.group_size, qw.sym)
+
+
+def pad_qweights(model, qweights: dict[str, QuantizedWeight], intermediate: int) -> dict[str, QuantizedWeight]:
+    """The integer weights of `zero_padded(model, intermediate)`."""
+    out = dict(qweights)
+    for i, layer in enumerate(get_adapter(model).decoder_layers(model)):
+        extra = intermediate - layer.mlp.down_proj.in_features
+        if not extra:
+            continue
+        pre = f"model.layers.{i}.mlp."
+        for name in ("gate_proj", "up_proj"):
+            if pre + name in out:
+                out[pre + name] = _pad_qweight(out[pre + name], rows=extra)
+        if pre + "down_proj" in out:
+            out[pre + "down_proj"] = _pad_qweight(out[pre + "down_proj"], cols=extra)
+    return out
+
+
+def save_exports(model, tokenizer, qweights: dict[str, QuantizedWeight], out: Path, formats, intermediate: int,
+                 dtype: str, manifest: dict) -> dict:
+    """Write each of `formats` (gguf, compressed-tensors) under `out`; returns {format: summary}."""
+    padded = zero_padded(model, intermediate)
+    padded.config.intermediate_size = intermediate
+    # 16-bit entries of a plan stay floating point: their (dequantized) weights are written in `dtype`
+    pq = pad_qweights(model, {k: q for k, q in qweights.items() if q.bits < 16}, intermediate)
+    note = ("per-layer MLP widths zero-padded to " + str(intermediate)
+            if any(w != intermediate for w in mlp_widths(model)) else "")
+    res = {}
+    for fmt in formats:
+        if fmt == "gguf":
+            from llmcompress.export.gguf import write_gguf
+
+            r = write_gguf(padded, Path(out) / "gguf" / "model.gguf", qweights=pq, float_dtype=dtype, tokenizer=tokenizer,
+                           name=f"llmcompress {manifest.get('method', 'nas')}", metadata={"method": manifest.get("method", "nas")},
+                           overwrite=True)
+        else:
+            from llmcompress.export.compressed_tensors import write_compressed_tensors
+
+            r = write_compressed_tensors(padded, tokenizer, Path(out) / "compressed-tensors", qweights=pq, float_dtype=dtype,
+                                         manifest_extra={"nas": {k: v for k, v in manifest.items() if k != "environment"}},
+                                         overwrite=True)
+        if note:
+            r["note"] = note
+        res[fmt] = r
+    return res

@@ -93,6 +93,15 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
     lm = load_model(cfg.model)
     teacher, tok = lm.model, lm.tokenizer
     space = build_space(teacher, cfg)
+    if "gguf" in cfg.export and space.group_size % 32:
+        from llmcompress.errors import UserError
+
+        raise UserError(f"--export gguf needs a group size divisible by 32; the search uses {space.group_size}",
+                        "pass --group-size 32 or 64")
+    from llmcompress.io.dtypes import save_dtype_for
+
+    save_dtype = save_dtype_for(lm, cfg.save_dtype)
+    sym8 = "gguf" in cfg.export
     costs = _cost_models(teacher, space, cfg, out, resume)
     S.check_reachable(costs, cfg)
     blocks, held_out = _blocks(tok, cfg)
@@ -118,11 +127,11 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
         method = "rtn" if mode == "uniform" else cfg.quant_method
         if mode == "uniform" and cfg.quant_method == "gptq":  # the same plan with GPTQ: separates the two effects
             extra = E.derive_model(teacher, space, res.arch)
-            E.quantize_derived(extra, E.plan_of(space, res.arch), "gptq", blocks[: cfg.gptq_blocks], cfg.gptq_act_order)
+            E.quantize_derived(extra, E.plan_of(space, res.arch, sym8), "gptq", blocks[: cfg.gptq_blocks], cfg.gptq_act_order)
             rows.append(_row("uniform (GPTQ)", space, res, _evaluate(extra, tok, cfg)))
             del extra
         model = E.derive_model(teacher, space, res.arch)
-        plan = E.plan_of(space, res.arch)
+        plan = E.plan_of(space, res.arch, sym8)
         qweights = E.quantize_derived(model, plan, method, blocks[: cfg.gptq_blocks], cfg.gptq_act_order)
         evals = _evaluate(model, tok, cfg)
         row = _row(f"{mode} ({method.upper()})", space, res, evals)
@@ -134,12 +143,15 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
         if mode == cfg.mode:
             manifest = build_manifest(source=cfg.model, source_hash=lm.source_hash, method=f"nas-{mode}", config=cfg.to_dict(),
                                       metrics={**evals, **res.metrics}, extra={"plan": plan.to_dict()})
-            E.save_packed(model, tok, qweights, plan, out / "packed", manifest)
-            E.save_hf(model, tok, out / "hf", manifest, space.intermediate, overwrite=True)
+            E.save_hf(model, tok, out / "hf", manifest, space.intermediate, overwrite=True, dtype=save_dtype)
             from llmcompress.eval.speed import disk_bytes
 
-            summary["packed_disk_mb"] = disk_bytes(out / "packed") / 1e6
             summary["hf_disk_mb"] = disk_bytes(out / "hf") / 1e6
+            summary["hf_dtype"] = save_dtype
+            exports = E.save_exports(model, tok, qweights, out, cfg.export, space.intermediate, save_dtype, manifest)
+            summary["exports"] = {f: {"path": r["path"], "bytes": r["bytes"], **({"note": r["note"]} if "note" in r else {})}
+                                  for f, r in exports.items()}
+            notes += [f"{f}: {r['note']}" for f, r in exports.items() if "note" in r]
             primary = summary
         else:
             write_json(out / "baselines" / f"{mode}.json", summary)

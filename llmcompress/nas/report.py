@@ -29,7 +29,9 @@ def render(rows: list[dict], cfg, lut: dict | None, notes: list[str]) -> str:
             f"{_fmt(r.get('size_mb'), '.1f')} | {_fmt(r.get('modeled_latency'))} | {_fmt(r.get('ppl'), '.2f')} | "
             f"{_fmt(r.get('prefill_tokens_per_s'), '.0f')} | {_fmt(r.get('decode_tokens_per_s'), '.1f')} |"
         )
-    lines += ["", "Size MB counts the packed weights (ints + float16 scales + packed zeros; embeddings and norms in float16).",
+    lines += ["", "Size MB is the cost model's size of the quantized weights (ints + float16 scales + zeros; embeddings and norms "
+              "in float16); hf/ holds the dequantized weights, for evaluation; gguf/ and compressed-tensors/ (--export) are the "
+              "deployable files.",
               "Modeled latency is relative to the dense float16 model under the chosen cost model; measured speeds run "
               "dequantized float32 weights on this CPU (no low-bit kernels), so they reflect structure only."]
     if lut:
