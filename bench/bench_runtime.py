@@ -315,7 +315,7 @@ def main() -> None:
     out = args.results
     out.mkdir(parents=True, exist_ok=True)
     (out / "RESULTS-runtime.md").write_text(text)
-    (out / "RESULTS-runtime.json").write_text(json.dumps(res.data, indent=2))
+    (out / "RESULTS-runtime.json").write_text(json.dumps({k: v for k, v in res.data.items() if v}, indent=2))
     plot(res, names, out / "RESULTS-runtime.png")
 
 
