@@ -39,10 +39,12 @@ demo: install
 	$(BIN)/llmcompress collapse --pareto
 
 bench: install
+	$(BIN)/python -m pip install -q -e ".[runtime]"
 	$(BIN)/python bench/bench_eval.py
 	$(BIN)/python bench/bench_collapse.py
 	$(BIN)/python bench/bench_distill.py
 	$(BIN)/python bench/bench_zip.py
+	$(BIN)/python bench/bench_runtime.py
 
 lint: install
 	$(BIN)/ruff check llmcompress tests bench examples

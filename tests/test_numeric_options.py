@@ -32,6 +32,7 @@ BAD = {
         "--batch-size": ["0", "-1", HUGE],
         "--limit": ["0", "-3", HUGE_F, "nan"],
         "--num-fewshot": ["-1", HUGE],
+        "--threads": ["-1", HUGE],
     },
     "collapse": {
         "--target-layers": ["0", "1", "-1", HUGE],

@@ -24,6 +24,8 @@ def eval_command(
     log_samples: Annotated[bool, typer.Option("--log-samples", help="lm-eval: also write every sample (needs --out).")] = False,
     include_tasks: Annotated[Optional[Path], typer.Option("--include-tasks", help="Folder of extra lm-eval task YAMLs.")] = None,
     speed: Annotated[bool, typer.Option("--speed/--no-speed", help="Measure prefill/decode speed.")] = True,
+    runtime: Annotated[str, typer.Option("--runtime", help="torch | llama.cpp: also run each .gguf in llama.cpp (llama-cpp-python, the [runtime] extra), next to torch on the same weights.")] = "torch",
+    threads: Annotated[int, typer.Option("--threads", help="llama.cpp threads (0: all cores).")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     out: Annotated[Optional[Path], typer.Option("--out", "--output-path", help="Write report.json, report.md and (with --tasks) lm-eval's results JSON under lm_eval/ here.")] = None,
     overwrite: OverwriteOpt = False,
@@ -34,14 +36,20 @@ def eval_command(
 ) -> None:
     """Evaluate models: perplexity, lm-evaluation-harness tasks, size and speed, in one table."""
     from llmcompress.errors import UserError
+    from llmcompress.eval.llamacpp import RUNTIMES, evaluate_llamacpp, require_llama_cpp
     from llmcompress.eval.report import EvalSpec, evaluate, json_rows, table_rows, write_report
     from llmcompress.io.atomic import check_out_dir
-    from llmcompress.io.load import DEFAULT_MODEL, load_model, resolve
+    from llmcompress.io.load import ALIASES, DEFAULT_MODEL, alias_gguf_path, load_model, resolve
     from llmcompress.runtime import resolve_device, resolve_dtype
 
     models = models or [DEFAULT_MODEL]
     if log_samples and (out is None or not tasks.strip()):
         raise UserError("--log-samples needs lm-eval tasks and a place to write them", "pass --tasks and --out")
+    if runtime not in RUNTIMES:
+        raise UserError(f"unknown runtime {runtime!r}", f"use one of {', '.join(RUNTIMES)}")
+    from llmcompress.spec import MAX_THREADS, Int, check_ranges
+
+    check_ranges({"threads": threads}, {"threads": Int("--threads", 0, MAX_THREADS, note="0 uses every core")})
     spec = EvalSpec(
         ppl=[p for p in ppl if p.lower() != "none"],
         seq_len=seq_len,
@@ -60,8 +68,15 @@ def eval_command(
         spec.limit = int(spec.limit)
     if out is not None:
         check_out_dir(out, overwrite=overwrite)
+    ggufs = {}
     for m in models:  # validate every model before the first slow step
-        resolve(m)
+        kind, where = resolve(m)
+        if runtime == "llama.cpp":
+            if kind not in ("gguf", "alias"):
+                raise UserError(f"--runtime llama.cpp runs .gguf files; {m} is not one", f"export it first: llmcompress export {m} --to gguf --out model.gguf")
+            ggufs[m] = where if kind == "gguf" else alias_gguf_path(ALIASES[where])
+    if runtime == "llama.cpp":
+        require_llama_cpp()
     from llmcompress.io.preflight import MB, check_run_outputs
 
     check_run_outputs(out, models, out_extra=MB, uses_cache=bool(spec.ppl))  # before any model loads
@@ -74,7 +89,12 @@ def eval_command(
     rows = []
     for m in models:
         lm = load_model(m, dtype=resolve_dtype(dtype), device=dev, trust_remote_code=trust_remote_code)
-        rows.append(evaluate(lm, spec, path=m if Path(m).exists() else None))
+        rows.append(evaluate(lm, spec, path=ggufs.get(m) or (m if Path(m).exists() else None)))
+        if runtime == "llama.cpp":  # the same weights in llama.cpp, next to their torch row
+            rows[-1]["model"] = f"{m} [torch]"
+            rows[-1]["runtime"] = "torch"
+            rows.append(evaluate_llamacpp(ggufs[m], lm.tokenizer, spec, threads=threads or None, torch_row=rows[-1]))
+            rows[-1]["model"] = f"{m} [llama.cpp]"
         del lm
     if out is not None:
         write_report(out, rows, spec)

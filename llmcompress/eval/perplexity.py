@@ -61,21 +61,31 @@ def perplexity(
 
     Returns {"ppl", "nll", "tokens_scored", "windows", "seq_len", "data"}.
     """
+    check_seq_len(model, seq_len)
+    blocks = perplexity_blocks(tokenizer, data, split=split, seq_len=seq_len, max_tokens=max_tokens)
+    nll, n = nll_of_blocks(model, blocks, batch_size=batch_size, description=f"ppl {data}")
+    return perplexity_result(nll, n, blocks, data, split)
+
+
+def perplexity_blocks(tokenizer, data: str, *, split: str | None = None, seq_len: int = 512, max_tokens: int | None = 16384) -> torch.Tensor:
+    """The (windows, seq_len) token blocks every perplexity runtime scores: the first `max_tokens` tokens
+    of the dataset, cut into non-overlapping windows (stride = seq_len), each scored on its own."""
     from llmcompress.data.blocks import pack_blocks, token_stream
     from llmcompress.data.sources import load_texts
 
-    check_seq_len(model, seq_len)
     ids = token_stream(tokenizer, load_texts(data, split))
     if max_tokens is not None:
         ids = ids[:max_tokens]
-    blocks = pack_blocks(ids, seq_len)
-    nll, n = nll_of_blocks(model, blocks, batch_size=batch_size, description=f"ppl {data}")
+    return pack_blocks(ids, seq_len)
+
+
+def perplexity_result(nll: float, n: int, blocks: torch.Tensor, data: str, split: str | None = None) -> dict:
     return {
         "ppl": math.exp(nll / n),
         "nll": nll / n,
         "tokens_scored": n,
         "tokens": int(blocks.numel()),
         "windows": int(blocks.shape[0]),
-        "seq_len": seq_len,
+        "seq_len": int(blocks.shape[1]),
         "data": data if split is None else f"{data}:{split}",
     }
