@@ -60,7 +60,7 @@ def test_lm_eval_option_errors(tiny_hf_dir, tmp_path):
     write_piqa(tmp_path / "data")
     for args, needle in (
         (["--tasks", "piqa", "--log-samples"], "--log-samples needs"),
-        (["--tasks", "piqa", "--num-fewshot", "-1", "--out", tmp_path / "o"], "--num-fewshot -1"),
+        (["--tasks", "piqa", "--num-fewshot", "-1", "--out", tmp_path / "o"], "--num-fewshot must be >= 0 and <= 1000000 (got -1)"),
         (["--tasks", "piqa", "--apply-chat-template", "--limit", "2", "--out", tmp_path / "o"], "no chat template"),
     ):
         r = run_eval(tiny_hf_dir, "--ppl", "none", "--seq-len", "64", "--no-speed", *args, data_dir=tmp_path / "data")

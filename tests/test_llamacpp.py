@@ -21,7 +21,7 @@ def run_without_llama_cpp(*args, cwd=None):
 
 def test_missing_extra_exits_2_with_the_install_command(tmp_path):
     gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")  # never opened: the runtime check comes before any model is read
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")  # a valid header; never loaded: the runtime check comes first
     out = tmp_path / "report"
     proc = run_without_llama_cpp("eval", str(gguf), "--runtime", "llama.cpp", "--out", str(out), cwd=tmp_path)
     assert_user_error(proc, "llama-cpp-python", "pip install -e .[runtime]")
@@ -33,12 +33,12 @@ def test_missing_extra_exits_2_with_the_install_command(tmp_path):
     [
         (["eval", "{tiny}", "--runtime", "llama.cpp"], ["runs .gguf files", "llmcompress export"]),
         (["eval", "{gguf}", "--runtime", "onnx"], ["unknown runtime", "llama.cpp"]),
-        (["eval", "{gguf}", "--runtime", "llama.cpp", "--threads", "-1"], ["--threads -1"]),
+        (["eval", "{gguf}", "--runtime", "llama.cpp", "--threads", "-1"], ["--threads must be >= 0", "got -1"]),
     ],
 )
 def test_runtime_bad_input_exits_2(args, fragments, tiny_hf_dir, tmp_path):
     gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
     proc = run(*[a.format(tiny=tiny_hf_dir, gguf=gguf) for a in args], cwd=tmp_path)
     assert_user_error(proc, *fragments)
 
