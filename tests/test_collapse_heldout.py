@@ -9,13 +9,7 @@ import re
 import pytest
 import torch
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_tiny(tiny_hf_dir, tmp_path, monkeypatch, data_dir):

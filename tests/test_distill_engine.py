@@ -15,13 +15,7 @@ from llmcompress.distill.engine import distill
 WORDS = ["the cat", "a dog", "sat on", "the mat", "ran far", "and then", "it was", "very good"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread avoids spin-wait contention (10x faster)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

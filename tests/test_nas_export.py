@@ -16,13 +16,7 @@ from llmcompress.nas.space import Arch, build_space, mlp_channel_importance, per
 IDS = torch.randint(3, TINY_VOCAB, (16, 32), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # the CPU is shared: tiny ops on 2 contended threads are ~20x slower than on one
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def logits(model, ids=IDS[:2]):

@@ -22,12 +22,10 @@ MANIFEST = "llmcompress.json"
 DIGESTS = "files_sha256"
 
 
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+def _sha256(path: Path) -> str:
+    from llmcompress.io.load import sha256_file
+
+    return sha256_file(path)
 
 
 def file_digests(folder: Path) -> dict[str, str]:

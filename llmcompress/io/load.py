@@ -75,7 +75,7 @@ def quiet_transformers() -> None:
         pass
 
 
-def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -158,7 +158,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         with atomic_dir(out, overwrite=True) as tmp:
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
-            (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": _sha256_file(gguf)}))
+            (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": sha256_file(gguf)}))
         b.advance()
 
 
