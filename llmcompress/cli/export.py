@@ -27,12 +27,10 @@ def export_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Quantize a model (RTN or GPTQ, or a nas plan) and write GGUF or compressed-tensors."""
-    from llmcompress.export.api import ExportOptions, _refuse_existing, export_model
+    from llmcompress.export.api import ExportOptions, export_model
 
     opts = ExportOptions(bits=bits, quant=quant, group_size=group_size, sym=sym, plan=plan, save_dtype=save_dtype,
                          calib_source=calib_data, seed=seed)
-    opts.validate(to)
-    _refuse_existing(out, overwrite)
     summary = export_model(model, to, out, opts, overwrite=overwrite)
     if as_json:
         typer.echo(json.dumps(summary, indent=2, default=str))

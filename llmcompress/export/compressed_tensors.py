@@ -76,10 +76,10 @@ def write_compressed_tensors(model, tokenizer, out: Path, *, qweights: dict[str,
 
     from llmcompress.io.atomic import atomic_dir, write_json
     from llmcompress.io.dtypes import torch_dtype
-    from llmcompress.io.load import _drop_quantization_config
+    from llmcompress.io.load import drop_quantization_config
 
     dt = torch_dtype(float_dtype)
-    _drop_quantization_config(model)
+    drop_quantization_config(model)
     tensors: dict[str, torch.Tensor] = {}
     seen = set()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))

@@ -127,10 +127,10 @@ def save_checkpoint(
     """
     out = Path(out)
     from llmcompress.io.dtypes import dtype_name, torch_dtype
-    from llmcompress.io.load import _drop_quantization_config, quiet_transformers
+    from llmcompress.io.load import drop_quantization_config, quiet_transformers
 
     quiet_transformers()
-    _drop_quantization_config(model)
+    drop_quantization_config(model)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         if dtype is None:
             model.save_pretrained(tmp, safe_serialization=True)

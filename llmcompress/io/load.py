@@ -154,7 +154,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
             problem = diagnose_gguf(gguf) or f"cannot load the GGUF file {gguf}: {str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__}"
             raise UserError(problem, "re-download the GGUF file (or pass a Hugging Face model directory)") from None
         b.advance()
-        _drop_quantization_config(model)
+        drop_quantization_config(model)
         with atomic_dir(out, overwrite=True) as tmp:
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
@@ -162,7 +162,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         b.advance()
 
 
-def _drop_quantization_config(model) -> None:
+def drop_quantization_config(model) -> None:
     cfg = model.config
     if hasattr(cfg, "quantization_config"):
         try:
@@ -381,7 +381,7 @@ def load_model(
         manifest = _read_manifest(Path(where))
     else:
         model, tok = _from_hub(str(where), dtype, trust_remote_code, allow_pickle)
-    _drop_quantization_config(model)
+    drop_quantization_config(model)
     model.to(device).eval()
     if tok is not None and tok.pad_token is None:
         tok.pad_token = tok.eos_token
