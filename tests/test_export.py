@@ -173,6 +173,22 @@ def test_gguf_bf16_source_dtype_and_q8_0(tmp_path, bpe_tokenizer):
                                   w.to(torch.bfloat16).float().numpy())
 
 
+def test_gguf_file_mode_follows_the_umask(tmp_path, bpe_tokenizer):
+    """The GGUF file is written through io/atomic.atomic_path: mode 0666 less the umask, no temp left."""
+    import os
+    import stat
+
+    from llmcompress.export.gguf import write_gguf
+
+    old = os.umask(0o002)
+    try:
+        write_gguf(_tiny(len(bpe_tokenizer)), tmp_path / "m.gguf", float_dtype="float32", tokenizer=bpe_tokenizer)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "m.gguf").stat().st_mode) == 0o664
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
 @pytest.mark.parametrize("sym", [True, False])
 def test_compressed_tensors_checkpoint(tmp_path, sym):
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor

@@ -114,7 +114,6 @@ def write_compressed_tensors(model, tokenizer, out: Path, *, qweights: dict[str,
         manifest = {"format": "compressed-tensors/pack-quantized", "bytes_on_disk": nbytes,
                     "parameters": sum(p.numel() for p in model.parameters()), **(manifest_extra or {})}
         write_json(tmp / "llmcompress.json", manifest)
-        tmp.chmod(0o755)
     return {"path": str(out), "bytes": nbytes, "quantized": len(qweights), "float_dtype": float_dtype}
 
 

@@ -39,12 +39,12 @@ floats (choosing its own scales) and so cannot carry GPTQ's integers.
 from __future__ import annotations
 
 import functools
-import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmcompress.errors import UserError
+from llmcompress.io.atomic import atomic_path
 
 if TYPE_CHECKING:
     import numpy as np
@@ -223,13 +223,6 @@ def _unique_named_tensors(model) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _atomic_file(final: Path):
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    return Path(tmp)
-
-
 def write_gguf(
     model,
     out: Path,
@@ -275,9 +268,8 @@ def write_gguf(
     tok_kv, tok_origin = tokenizer_kv(tokenizer, vocab_size)
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
-    tmp = _atomic_file(out)
     types: dict[str, str] = {}
-    try:
+    with atomic_path(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), "llama")
         w.add_type(gguf.GGUFType.MODEL)
         w.add_name(name or getattr(cfg, "name_or_path", "") or "llmcompress model")
@@ -334,11 +326,6 @@ def write_gguf(
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return {"path": str(out), "bytes": out.stat().st_size, "tensor_types": counts, "tokenizer": tok_origin,
             "layers": n_layers, "float_dtype": float_dtype}
 

@@ -151,7 +151,6 @@ def save_checkpoint(
         write_card(tmp, manifest, name=out.name)  # README.md model card + recipe.yaml, covered by the digests
         manifest[DIGESTS] = file_digests(tmp)
         write_json(tmp / MANIFEST, manifest)
-        tmp.chmod(0o755)
     return out
 
 
