@@ -1,4 +1,4 @@
-"""Device, dtype and seed resolution: done once at the edge, passed inward as torch objects."""
+"""Device, dtype, thread-count and seed resolution: done once at the edge, passed inward as torch objects."""
 
 from __future__ import annotations
 
@@ -52,6 +52,15 @@ def autocast(device, precision: str = "fp32"):
     if precision != "bf16":
         raise ValueError(f"unknown precision {precision!r}")
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+def default_threads(cap: int | None = None) -> int:
+    """Threads for a CPU-bound pool: the cores this process may run on (its affinity), at most `cap`."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, n if cap is None else min(n, cap))
 
 
 def seed_everything(seed: int) -> None:

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmcompress.cli._options import AllowPickleOpt, DeviceOpt, ModelArg, OverwriteOpt, PushOpt, ResumeOpt
+from llmcompress.io.load import DEFAULT_MODEL
 
 
 class Method(str, enum.Enum):
@@ -19,7 +20,7 @@ class Method(str, enum.Enum):
 
 
 def collapse_command(
-    model: ModelArg = "smollm2-135m",
+    model: ModelArg = DEFAULT_MODEL,
     pareto: Annotated[bool, typer.Option("--pareto", help="Search a Pareto front of (layers, KL) with NSGA-II.")] = False,
     target_layers: Annotated[Optional[int], typer.Option("--target-layers", help="Single-objective: keep exactly N layers.")] = None,
     ratio: Annotated[Optional[float], typer.Option("--ratio", help="Single-objective: keep this fraction of the layers.")] = None,

@@ -18,6 +18,7 @@ from llmcompress.cli._options import (
     ResumeOpt,
     SeedOpt,
 )
+from llmcompress.io.load import DEFAULT_MODEL
 
 
 class ModeChoice(str, Enum):
@@ -47,7 +48,7 @@ class CacheDtypeChoice(str, Enum):
 
 
 def distill_command(
-    teacher: ModelArg = "smollm2-135m",
+    teacher: ModelArg = DEFAULT_MODEL,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (required; refused if it exists, unless --overwrite or --resume).")] = None,
     keep_layers: Annotated[Optional[int], typer.Option("--keep-layers", help="Student = teacher with N layers kept.")] = None,
     student: Annotated[Optional[str], typer.Option("--student", help="Student checkpoint whose manifest has a layer_map (e.g. a collapse output).")] = None,

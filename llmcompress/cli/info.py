@@ -7,10 +7,11 @@ import json
 import typer
 
 from llmcompress.cli._options import AllowPickleOpt, DtypeOpt, ModelArg, TrustOpt
+from llmcompress.io.load import DEFAULT_MODEL
 
 
 def info_command(
-    model: ModelArg = "smollm2-135m",
+    model: ModelArg = DEFAULT_MODEL,
     dtype: DtypeOpt = "float32",
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     trust_remote_code: TrustOpt = False,

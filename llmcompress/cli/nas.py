@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmcompress.cli._options import AllowPickleOpt, ModelArg, OverwriteOpt, PushOpt, ResumeOpt
+from llmcompress.io.load import DEFAULT_MODEL
 
 
 class Mode(str, enum.Enum):
@@ -27,7 +28,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def nas_command(
-    model: ModelArg = "smollm2-135m",
+    model: ModelArg = DEFAULT_MODEL,
     target_latency: Annotated[Optional[float], typer.Option("--target-latency", help="Modeled latency relative to dense (e.g. 0.6).")] = None,
     target_size_mb: Annotated[Optional[float], typer.Option("--target-size-mb", help="Packed size in MB.")] = None,
     target_bits: Annotated[Optional[float], typer.Option("--target-bits", help="Average bits per quantized weight.")] = None,

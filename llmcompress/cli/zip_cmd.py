@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -27,7 +26,9 @@ def _check_numbers(**values) -> None:
 
 
 def _threads(n: int) -> int:
-    return n or max(1, min(os.cpu_count() or 1, 8))
+    from llmcompress.lossless.codec import default_threads
+
+    return n or default_threads()
 
 
 def _resolve_ckpt(spec: str) -> Path:

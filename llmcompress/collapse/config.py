@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from llmcompress import spec
 from llmcompress.errors import UserError
+from llmcompress.io.load import DEFAULT_MODEL
 from llmcompress.spec import MAX_BATCH, MAX_COUNT, MAX_SEED, MAX_SEQ, MAX_TOKENS, Int, Real
 
 METHODS = ("gelaco", "shortgpt", "laco", "drop-search")
@@ -56,7 +57,7 @@ class CollapseConfig:
         piqa_limit: PIQA examples in the report (0 skips it).
     """
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     method: Method = "gelaco"
     pareto: bool = True
     target_layers: int | None = None

@@ -38,12 +38,9 @@ def topk_kl(logp_q: torch.Tensor, top_idx: torch.Tensor, top_logp: torch.Tensor)
     Returns:
         (...) KL in nats; exact when the top-k holds all of P's mass.
     """
-    p = top_logp.exp()
-    q_top = logp_q.gather(-1, top_idx)
-    head = (p * (top_logp - q_top)).sum(-1)
-    p_tail = (1.0 - p.sum(-1)).clamp_min(1e-10)
-    q_tail = (1.0 - q_top.exp().sum(-1)).clamp_min(1e-10)
-    return head + p_tail * (p_tail.log() - q_tail.log())
+    from llmcompress import metrics
+
+    return metrics.topk_kl(logp_q, top_idx, top_logp)
 
 
 def update_cosine(h_in: torch.Tensor, h_ref: torch.Tensor, h_new: torch.Tensor) -> torch.Tensor:
@@ -55,9 +52,9 @@ def update_cosine(h_in: torch.Tensor, h_ref: torch.Tensor, h_new: torch.Tensor) 
 
 def block_influence(states: list[torch.Tensor]) -> list[float]:
     """ShortGPT's Block Influence per layer: 1 - mean cos(h_in, h_out) over tokens."""
-    import torch.nn.functional as F
+    from llmcompress import metrics
 
-    return [float(1.0 - F.cosine_similarity(states[i].float(), states[i + 1].float(), dim=-1).mean()) for i in range(len(states) - 1)]
+    return metrics.block_influence(states)
 
 
 # ---------------------------------------------------------------- the original's cache

@@ -42,12 +42,12 @@ def cache_key(*parts: Any) -> str:
     """sha256 over the given parts (strings, numbers, lists, or tensors by their bytes), 16 hex digits."""
     import torch
 
+    from llmcompress.metrics import update_tensor_digest
+
     h = hashlib.sha256()
     for p in parts:
         if isinstance(p, torch.Tensor):
-            t = p.detach().contiguous().cpu()
-            h.update(f"{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+            update_tensor_digest(h, p)
         else:
             h.update(json.dumps(p, sort_keys=True, default=str).encode())
         h.update(b"|")

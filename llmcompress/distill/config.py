@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any
 
+from llmcompress.io.load import DEFAULT_MODEL
 from llmcompress.spec import (
     MAX_BATCH,
     MAX_COUNT,
@@ -91,7 +92,7 @@ class DistillConfig:
         seed: everything random derives from it (per segment: seed + segment index).
     """
 
-    teacher: str = "smollm2-135m"
+    teacher: str = DEFAULT_MODEL
     keep_layers: int | None = None
     student: str | None = None
     select: Select = Select.UNIFORM

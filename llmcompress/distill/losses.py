@@ -1,8 +1,14 @@
-"""Distillation losses: tensor in, scalar tensor out (pure; differentiable)."""
+"""Distillation losses: tensor in, scalar tensor out (pure; differentiable).
+
+The logit KL is the shared `llmcompress.metrics.kl_logits`, named here so that the engine (and tests that
+interrupt it) reach every loss through this module.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from llmcompress.metrics import kl_logits
 
 if TYPE_CHECKING:
     import torch
@@ -34,16 +40,6 @@ def hidden_loss(kind: str, pred: torch.Tensor, target: torch.Tensor) -> torch.Te
     if kind == "cosine":
         return cosine_loss(pred, target)
     raise ValueError(f"unknown hidden loss {kind!r}")
-
-
-def kl_logits(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """KL(teacher || student) per token, averaged over tokens, scaled by T^2 (Hinton et al.)."""
-    import torch.nn.functional as F
-
-    t = temperature
-    s = F.log_softmax(student_logits.float().flatten(0, -2) / t, dim=-1)  # (N, V)
-    p = F.log_softmax(teacher_logits.float().flatten(0, -2) / t, dim=-1)
-    return F.kl_div(s, p, log_target=True, reduction="batchmean") * (t * t)
 
 
 def next_token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,13 @@ from llmcompress.distill.config import DistillConfig
 from llmcompress.distill.dist import DistInfo
 from llmcompress.distill.segments import (
     bi_keep,
-    block_influence,
     layer_map_from_keep,
     uniform_keep,
     validate_layer_map,
 )
 from llmcompress.errors import DataError, UserError
 from llmcompress.io.atomic import check_out_dir
+from llmcompress.metrics import block_influence
 
 
 def prepare_out(cfg: DistillConfig, out: Path, overwrite: bool, resume: bool, dist: DistInfo) -> dict:

@@ -116,17 +116,3 @@ def teacher_boundaries(segments: Sequence[Segment]) -> list[int]:
     """Teacher boundary indices the cache must hold: segment inputs, then the last output."""
     return [seg.teacher_start for seg in segments] + [segments[-1].teacher_end]
 
-
-def block_influence(states) -> list[float]:
-    """Block Influence of each layer from boundary states: 1 - mean cosine(input, output) over tokens.
-
-    Args:
-        states: list of L+1 (B, T, H) tensors, states[i] the input of layer i (io.forward.boundary_states).
-    """
-    import torch.nn.functional as F
-
-    out = []
-    for a, b in zip(states[:-1], states[1:]):
-        cos = F.cosine_similarity(a.float().flatten(0, 1), b.float().flatten(0, 1), dim=-1)
-        out.append(float(1.0 - cos.mean()))
-    return out

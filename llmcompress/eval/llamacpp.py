@@ -16,13 +16,13 @@ when llama.cpp loads) avoids it. It is left to the user: on idle cores spinning 
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmcompress.errors import UserError
+from llmcompress.runtime import default_threads
 
 if TYPE_CHECKING:
     import torch
@@ -41,14 +41,6 @@ def require_llama_cpp():
     except ImportError:
         raise UserError("--runtime llama.cpp needs llama-cpp-python, which is not installed", INSTALL_HINT) from None
     return llama_cpp
-
-
-def default_threads() -> int:
-    """All cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def open_gguf(path: str | Path, *, n_ctx: int, threads: int | None = None, logits_all: bool = False):

@@ -67,10 +67,11 @@ def verify_checkpoint(folder: Path) -> dict[str, int]:
 
 def weights_hash(model) -> str:
     """sha256 over parameter names, dtypes, shapes and bytes (state-dict order)."""
+    from llmcompress.metrics import update_tensor_digest
+
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.detach().contiguous().cpu().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+        update_tensor_digest(h, t, label=f"{name}:")
     return h.hexdigest()
 
 

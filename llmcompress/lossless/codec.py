@@ -34,7 +34,6 @@ place, with more threads each group's output is moved left in place (no concaten
 from __future__ import annotations
 
 import math
-import os
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -874,7 +873,10 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 
 def default_threads() -> int:
-    return max(1, min(os.cpu_count() or 1, 8))
+    """The codec's pool: one thread per core, at most 8 (more do not help the chunked coder)."""
+    from llmcompress.runtime import default_threads as cpu_threads
+
+    return cpu_threads(cap=8)
 
 
 def _run(tasks, threads: int) -> list:

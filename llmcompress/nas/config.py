@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from llmcompress import spec
 from llmcompress.errors import UserError
+from llmcompress.io.load import DEFAULT_MODEL
 from llmcompress.spec import MAX_BATCH, MAX_COUNT, MAX_SEED, MAX_SEQ, MAX_TOKENS, Int, Real
 
 MODES = ("joint", "sequential", "uniform")
@@ -63,7 +64,7 @@ class NasConfig:
         save_dtype: dtype of the saved float tensors (None: the source model's; io/dtypes.py).
     """
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     mode: Mode = "joint"
     baselines: list[str] = field(default_factory=lambda: ["uniform"])
     target_latency: float | None = None

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from llmcompress.io.atomic import append_jsonl
+from llmcompress.metrics import token_kl
 from llmcompress.nas.config import NasConfig
 from llmcompress.nas.cost import CostModels
 from llmcompress.nas.space import Arch, SearchSpace, argmax_arch, repair, upgrade
@@ -47,7 +48,7 @@ def _save_state(path: Path, state: dict) -> None:
 def distill_loss(t_out, s_out, hidden_mse: float) -> torch.Tensor:
     t_logp = F.log_softmax(t_out.logits.float(), -1)
     s_logp = F.log_softmax(s_out.logits.float(), -1)
-    loss = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()
+    loss = token_kl(t_logp, s_logp).mean()
     if hidden_mse > 0:
         th, sh = t_out.hidden_states[-1], s_out.hidden_states[-1]
         loss = loss + hidden_mse * (sh - th).pow(2).mean() / th.pow(2).mean().clamp(min=1e-8)

@@ -119,11 +119,13 @@ def mean_kl(model, blocks, ref_logp, batch: int = 2) -> float:
     """Mean per-token KL(reference || model now) on `blocks`, against `reference_logp`'s output."""
     import torch
 
+    from llmcompress.metrics import token_kl
+
     total, n = 0.0, 0
     with torch.no_grad():
         for b, ref in zip(blocks.split(batch), ref_logp):
             logp = torch.log_softmax(model(input_ids=b, use_cache=False).logits.float(), -1)
-            total += float((ref.exp() * (ref - logp)).sum(-1).sum())
+            total += float(token_kl(ref, logp).sum())
             n += b.numel()
     return total / max(n, 1)
 
