@@ -110,7 +110,7 @@ def test_damaged_cache_of_a_converted_model_is_rebuilt(tmp_path, cache, tiny_hf_
 
 def test_damaged_cache_that_cannot_be_removed_says_what_to_delete(tmp_path, cache, tiny_hf_dir, monkeypatch):
     gguf = write_gguf(tmp_path / "m.gguf")
-    cached = load._gguf_cache(gguf)
+    cached = load.gguf_cache_dir(gguf)
     shutil.copytree(tiny_hf_dir, cached)
     (cached / "source.json").write_text(json.dumps({"sha256": "0" * 64}))
     (cached / "model.safetensors").write_bytes(b"\x10")

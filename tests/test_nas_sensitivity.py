@@ -9,9 +9,9 @@ from conftest import TINY_VOCAB, tiny_nas_setup
 from llmcompress.nas import sensitivity as S
 from llmcompress.nas.space import (
     Arch,
-    _apply,
-    _up_moves,
+    apply_move,
     repair,
+    up_moves,
     upgrade,
     violation,
 )
@@ -57,8 +57,8 @@ def test_upgrade_fills_the_budget_and_keeps_targets(setup):
     up = upgrade(space, low, logits, costs, targets)
     m_low, m_up = costs.metrics(low), costs.metrics(up)
     assert violation(m_up, targets) == 0 and m_up["bits"] > m_low["bits"] + 1.0
-    for move in _up_moves(space, up):  # maximal: no single raise that the logits favour still fits
-        new = _apply(up, move, +1)
+    for move in up_moves(space, up):  # maximal: no single raise that the logits favour still fits
+        new = apply_move(up, move, +1)
         assert violation(costs.metrics(new), targets) > 0 or float(_gain(logits, up, new)) <= 0
 
 

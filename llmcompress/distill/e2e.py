@@ -16,10 +16,10 @@ from llmcompress.distill import curriculum as cur
 from llmcompress.distill import losses
 
 if TYPE_CHECKING:
-    from llmcompress.distill.engine import _Run
+    from llmcompress.distill.run import Run
 
 
-def build_student(run: _Run, teacher, keep: list[int] | None):
+def build_student(run: Run, teacher, keep: list[int] | None):
     """A removal student (a copy of the teacher with `keep` layers) or the checkpoint in cfg.student."""
     from llmcompress.io.load import load_model
     from llmcompress.io.surgery import keep_layers
@@ -29,11 +29,11 @@ def build_student(run: _Run, teacher, keep: list[int] | None):
     return load_model(run.cfg.student, device=run.device).model
 
 
-def train_e2e(run: _Run, teacher, keep: list[int] | None, blocks):
+def train_e2e(run: Run, teacher, keep: list[int] | None, blocks):
     """Train the student for ceil(train_tokens / tokens_per_step) steps of full-logit KL; returns it."""
     import torch
 
-    from llmcompress.distill.engine import _eval_ppl
+    from llmcompress.distill.run import eval_ppl
 
     cfg = run.cfg
     student = build_student(run, teacher, keep)
@@ -41,7 +41,7 @@ def train_e2e(run: _Run, teacher, keep: list[int] | None, blocks):
     teacher.requires_grad_(False)
     if run.dist.is_main and cfg.eval_tokens > 0:
         t_eval = time.perf_counter()
-        run.state["student_ppl_before"] = _eval_ppl(student, run.tokenizer, cfg)
+        run.state["student_ppl_before"] = eval_ppl(student, run.tokenizer, cfg)
         run.state["eval_before_s"] = round(time.perf_counter() - t_eval, 2)
     from llmcompress.io.adapters import get_adapter
 
@@ -57,7 +57,7 @@ def train_e2e(run: _Run, teacher, keep: list[int] | None, blocks):
     return student.eval()
 
 
-def logit_steps(run: _Run, model, layers, *, steps: int, lr: float, order: list, load, teacher_logits, title: str, name: str) -> None:
+def logit_steps(run: Run, model, layers, *, steps: int, lr: float, order: list, load, teacher_logits, title: str, name: str) -> None:
     """The end-to-end loop of `--mode e2e` and of the `--e2e-steps` phase: logit KL (+ CE) on `model`.
 
     Trains the parameters of `layers` with AdamW (cosine decay from `lr`) for `steps` steps; step s reads
@@ -99,7 +99,7 @@ def logit_steps(run: _Run, model, layers, *, steps: int, lr: float, order: list,
         p.grad = None
 
 
-def checkpoint(run: _Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.pt") -> None:
+def checkpoint(run: Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.pt") -> None:
     """Student layers + optimiser state after `step` steps, written atomically to work/`name` (for --resume)."""
     import torch
 
@@ -109,7 +109,7 @@ def checkpoint(run: _Run, layers, opt, step: int, steps: int, name: str = "e2e-c
         torch.save({"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict()}, tmp)
 
 
-def restore(run: _Run, layers, opt, steps: int, name: str = "e2e-checkpoint.pt") -> int:
+def restore(run: Run, layers, opt, steps: int, name: str = "e2e-checkpoint.pt") -> int:
     """Step to continue from (0 without a matching checkpoint in work/`name`)."""
     import torch
 

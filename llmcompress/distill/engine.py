@@ -38,6 +38,7 @@ from llmcompress.distill.cache import (
 from llmcompress.distill.config import DistillConfig, Mode
 from llmcompress.distill.dist import DistInfo
 from llmcompress.distill.plan import load_blocks, plan_student, prepare_out
+from llmcompress.distill.run import Run, eval_ppl
 from llmcompress.distill.segments import (
     Segment,
     segment_layout,
@@ -60,59 +61,16 @@ class DistillResult:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class _Run:
-    """What the phases share: config, model, layout, caches, paths, state."""
-
-    cfg: DistillConfig
-    out: Path
-    dist: DistInfo
-    device: Any
-    model: Any = None
-    tokenizer: Any = None
-    segments: list[Segment] = field(default_factory=list)
-    teacher: FeatureCache | None = None
-    norm: Any = None  # the teacher's frozen final norm and head (logit KL targets)
-    head: Any = None
-    state: dict = field(default_factory=dict)
-    log_buffer: list = field(default_factory=list)
-
-    @property
-    def work(self) -> Path:
-        return self.out / "work"
-
-    def layers(self, seg: Segment) -> list:
-        from llmcompress.io.adapters import get_adapter
-
-        return list(get_adapter(self.model).decoder_layers(self.model))[seg.student_start : seg.student_end]
-
-    def log(self, record: dict) -> None:
-        if self.dist.is_main:
-            append_jsonl(self.out / "train_log.jsonl", record)
-        else:
-            self.log_buffer.append(record)
-
-    def autocast(self):
-        """Forward passes of training, propagation and caching run under this (cfg.precision)."""
-        from llmcompress.runtime import autocast
-
-        return autocast(self.device, self.cfg.precision.value)
-
-    def save_state(self) -> None:
-        if self.dist.is_main:
-            write_json(self.work / "state.json", self.state)
-
-
 # ---------------------------------------------------------------------------------------- training
 
 
-def _forward_segment(run: _Run, seg: Segment, x):
+def _forward_segment(run: Run, seg: Segment, x):
     from llmcompress.io.forward import run_layers
 
     return run_layers(run.model, x, run.layers(seg), seg.student_layers, output="hidden")
 
 
-def _segment_loss(run: _Run, seg: Segment, x, y, *, step_seed: int, with_kl: bool = True, ids=None):
+def _segment_loss(run: Run, seg: Segment, x, y, *, step_seed: int, with_kl: bool = True, ids=None):
     """Hidden loss of segment `seg` on input x vs teacher target y, plus logit KL for the last segment.
 
     With `cfg.ce_weight` > 0 and the block's token `ids`, the last segment also gets the next-token
@@ -147,15 +105,15 @@ def _segment_loss(run: _Run, seg: Segment, x, y, *, step_seed: int, with_kl: boo
     return loss, parts
 
 
-def _to(t, run: _Run):
+def _to(t, run: Run):
     return t.to(run.device, dtype=next(run.model.parameters()).dtype)
 
 
-def _student_cache(run: _Run, level: int) -> FeatureCache:
+def _student_cache(run: Run, level: int) -> FeatureCache:
     return FeatureCache(run.work / f"student-features-{level}")
 
 
-def _loader(run: _Run, seg: Segment, phase: int):
+def _loader(run: Run, seg: Segment, phase: int):
     """Shard index -> (input, student input or None, target, token ids or None).
 
     Phase 2 loads the student's own input too; the last segment loads the token ids when the loss has a
@@ -174,7 +132,7 @@ def _loader(run: _Run, seg: Segment, phase: int):
     return load
 
 
-def _train_segment(run: _Run, seg: Segment, *, phase: int, steps: int, shards: list[int]) -> list[float]:
+def _train_segment(run: Run, seg: Segment, *, phase: int, steps: int, shards: list[int]) -> list[float]:
     import torch
 
     from llmcompress.progress import bar
@@ -205,22 +163,22 @@ def _train_segment(run: _Run, seg: Segment, *, phase: int, steps: int, shards: l
     return history
 
 
-def _segment_file(run: _Run, seg: Segment, phase: int) -> Path:
+def _segment_file(run: Run, seg: Segment, phase: int) -> Path:
     return run.work / f"segment-{seg.index:03d}-phase{phase}.safetensors"
 
 
-def _segment_state(run: _Run, seg: Segment) -> dict:
+def _segment_state(run: Run, seg: Segment) -> dict:
     return {f"{i}.{k}": v.detach().cpu().contiguous() for i, layer in enumerate(run.layers(seg)) for k, v in layer.state_dict().items()}
 
 
-def _save_segment(run: _Run, seg: Segment, phase: int, tensors: dict) -> None:
+def _save_segment(run: Run, seg: Segment, phase: int, tensors: dict) -> None:
     from safetensors.torch import save_file
 
     with atomic_path(_segment_file(run, seg, phase)) as tmp:
         save_file(tensors, str(tmp))
 
 
-def _load_segment(run: _Run, seg: Segment, phase: int) -> None:
+def _load_segment(run: Run, seg: Segment, phase: int) -> None:
     from safetensors.torch import load_file
 
     tensors = load_file(str(_segment_file(run, seg, phase)))
@@ -229,7 +187,7 @@ def _load_segment(run: _Run, seg: Segment, phase: int) -> None:
         layer.load_state_dict(sd)
 
 
-def _initial_losses(run: _Run, shard: int) -> dict[int, float]:
+def _initial_losses(run: Run, shard: int) -> dict[int, float]:
     """Difficulty of each segment: its hidden loss on one batch of teacher inputs, before training."""
     import torch
 
@@ -242,7 +200,7 @@ def _initial_losses(run: _Run, shard: int) -> dict[int, float]:
     return out
 
 
-def _phase1(run: _Run, steps: int, shards: list[int]) -> None:
+def _phase1(run: Run, steps: int, shards: list[int]) -> None:
     """Difficulty order, teacher inputs; each rank trains its share, rank 0 assembles."""
     order = run.state["order"]
     mine = cur.assign_ranks(order, run.dist.world_size, {s.index: s.student_end - s.student_start for s in run.segments})[run.dist.rank]
@@ -275,7 +233,7 @@ def _phase1(run: _Run, steps: int, shards: list[int]) -> None:
         _load_segment(run, run.segments[k], 1)
 
 
-def _propagate(run: _Run, seg: Segment, shards: list[int]) -> None:
+def _propagate(run: Run, seg: Segment, shards: list[int]) -> None:
     """Student features after segment `seg`, from the student's own features before it (phase 2 shards)."""
     import torch
 
@@ -299,7 +257,7 @@ def _propagate(run: _Run, seg: Segment, shards: list[int]) -> None:
         src.clear()
 
 
-def _phase2(run: _Run, steps: int, shards: list[int]) -> None:
+def _phase2(run: Run, steps: int, shards: list[int]) -> None:
     """Network order; inputs go from teacher features to the trained student prefix's outputs."""
     for seg in run.segments:
         k = seg.index
@@ -320,7 +278,7 @@ def _phase2(run: _Run, steps: int, shards: list[int]) -> None:
         _student_cache(run, k).clear()
 
 
-def _e2e_from_cache(run: _Run, steps: int) -> None:
+def _e2e_from_cache(run: Run, steps: int) -> None:
     """End-to-end logit KL on the whole student, teacher logits from the cached final teacher states.
 
     At --e2e-lr (default a quarter of the layer-wise learning rate); checkpointed every quarter of the steps
@@ -341,14 +299,6 @@ def _e2e_from_cache(run: _Run, steps: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ runs
-
-
-def _eval_ppl(model, tokenizer, cfg: DistillConfig) -> float | None:
-    if cfg.eval_tokens <= 0 or tokenizer is None:
-        return None
-    from llmcompress.eval.perplexity import perplexity
-
-    return perplexity(model, tokenizer, "wikitext2", seq_len=cfg.eval_seq_len, max_tokens=cfg.eval_tokens)["ppl"]
 
 
 def _n_params(model) -> int:
@@ -402,9 +352,9 @@ def distill(
                                "student_layers": len(layer_map), "segments": [s.to_dict() for s in segments],
                                "teacher_parameters": _n_params(lm.model)}
     if dist.is_main and cfg.eval_tokens > 0:
-        metrics["teacher_ppl"] = _eval_ppl(lm.model, lm.tokenizer, cfg)
+        metrics["teacher_ppl"] = eval_ppl(lm.model, lm.tokenizer, cfg)
     t_train = time.perf_counter()
-    run = _Run(cfg, out, dist, dev, tokenizer=lm.tokenizer, segments=segments, state=state)
+    run = Run(cfg, out, dist, dev, tokenizer=lm.tokenizer, segments=segments, state=state)
     run.work.mkdir(parents=True, exist_ok=True)
     if cfg.mode == Mode.E2E and not dist.is_main:  # the baseline is single-process; other ranks idle
         return DistillResult(out, None, layer_map, segments, metrics)
@@ -423,7 +373,7 @@ def distill(
         return DistillResult(out, None, layer_map, segments, metrics)
     metrics["student_parameters"] = _n_params(student)
     if cfg.eval_tokens > 0:
-        metrics["student_ppl"] = _eval_ppl(student, run.tokenizer, cfg)
+        metrics["student_ppl"] = eval_ppl(student, run.tokenizer, cfg)
     metrics["wall_s"] = round(time.perf_counter() - t_start, 2)
     student_dir = _save(run, student, lm, layer_map, metrics)
     import json
@@ -443,7 +393,7 @@ def distill(
     return DistillResult(out, student_dir, layer_map, segments, metrics)
 
 
-def _layerwise(run: _Run, lm, keep: list[int] | None, blocks, metrics: dict):
+def _layerwise(run: Run, lm, keep: list[int] | None, blocks, metrics: dict):
     """Cache, free the teacher, phases 1 and 2, optional e2e steps; returns the trained student model."""
     import torch
 
@@ -490,7 +440,7 @@ def _layerwise(run: _Run, lm, keep: list[int] | None, blocks, metrics: dict):
     run.model = model
     if run.dist.is_main and cfg.eval_tokens > 0:
         t_eval = time.perf_counter()
-        metrics["student_ppl_before"] = _eval_ppl(model, run.tokenizer, cfg)
+        metrics["student_ppl_before"] = eval_ppl(model, run.tokenizer, cfg)
         metrics["eval_before_s"] = round(time.perf_counter() - t_eval, 2)
     n_shards = run.teacher.n_shards
     steps1, steps2 = cur.split_steps(cfg.train_tokens, cfg.batch_size * cfg.seq_len, cfg.phase1_fraction)
@@ -529,7 +479,7 @@ def _layerwise(run: _Run, lm, keep: list[int] | None, blocks, metrics: dict):
     return model
 
 
-def _save(run: _Run, student, lm, layer_map: list[dict], metrics: dict) -> Path:
+def _save(run: Run, student, lm, layer_map: list[dict], metrics: dict) -> Path:
     from llmcompress.io.checkpoint import build_manifest, save_checkpoint
 
     manifest = build_manifest(

@@ -24,14 +24,14 @@ def disk_bytes(path: str | Path | None) -> int | None:
     return sum(f.stat().st_size for f in p.iterdir() if f.is_file() and f.suffix in (".safetensors", ".bin", ".llmz", ".gguf"))
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
     """transformers 5.2x renamed `past_key_values` to `cache`; accept both."""
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _cache_of(out):
+def cache_of(out):
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
 
@@ -49,7 +49,7 @@ def measure_speed(model, *, prompt_len: int = 256, decode_tokens: int = 32, repe
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    cache_kw = _cache_kwarg(model)
+    cache_kw = cache_kwarg(model)
     with torch.no_grad():
         model(input_ids=ids[:, :16], use_cache=False)  # warm-up
         best_prefill = float("inf")
@@ -63,12 +63,12 @@ def measure_speed(model, *, prompt_len: int = 256, decode_tokens: int = 32, repe
         best_decode = float("inf")
         for _ in range(repeats):
             out = model(input_ids=ids[:, :64], use_cache=True)
-            cache, nxt = _cache_of(out), out.logits[:, -1:].argmax(-1)
+            cache, nxt = cache_of(out), out.logits[:, -1:].argmax(-1)
             sync()
             t0 = time.perf_counter()
             for _ in range(decode_tokens):
                 out = model(input_ids=nxt, **{cache_kw: cache}, use_cache=True)
-                cache, nxt = _cache_of(out), out.logits[:, -1:].argmax(-1)
+                cache, nxt = cache_of(out), out.logits[:, -1:].argmax(-1)
             sync()
             best_decode = min(best_decode, time.perf_counter() - t0)
     result = {

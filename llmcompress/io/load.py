@@ -178,7 +178,7 @@ def drop_quantization_config(model) -> None:
             pass
 
 
-def _gguf_cache(gguf: Path) -> Path:
+def gguf_cache_dir(gguf: Path) -> Path:
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
     return cache_dir() / "models" / f"{gguf.stem}-{key}"
@@ -188,7 +188,7 @@ def converted_alias_dir(name: str) -> Path | None:
     """The cached safetensors conversion of the alias `name` (None when it is not converted yet, or its
     package is not installed). `load_model(name)` converts it."""
     try:
-        cached = _gguf_cache(alias_gguf_path(ALIASES[name]))
+        cached = gguf_cache_dir(alias_gguf_path(ALIASES[name]))
     except ModelNotFound:
         return None
     return cached if (cached / "config.json").is_file() else None
@@ -240,7 +240,7 @@ def converted_gguf_dir(gguf: Path) -> Path:
     import shutil
     import sys
 
-    cached = _gguf_cache(gguf)
+    cached = gguf_cache_dir(gguf)
     if (cached / "config.json").is_file():
         problem = _cache_problem(cached)
         if problem is None:

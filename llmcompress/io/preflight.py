@@ -67,7 +67,7 @@ def model_bytes(spec: str) -> tuple[int, int]:
     kind, where = load.resolve(spec)
     if kind in ("alias", "gguf"):
         gguf = load.alias_gguf_path(load.ALIASES[where]) if kind == "alias" else Path(where)
-        cached = load._gguf_cache(gguf)
+        cached = load.gguf_cache_dir(gguf)
         if (cached / "config.json").is_file():
             return dir_bytes(cached, "*.safetensors"), 0
         size = 4 * gguf.stat().st_size
@@ -85,7 +85,7 @@ def model_config(spec: str) -> dict:
 
     kind, where = load.resolve(spec)
     if kind in ("alias", "gguf"):
-        where = load._gguf_cache(load.alias_gguf_path(load.ALIASES[where]) if kind == "alias" else Path(where))
+        where = load.gguf_cache_dir(load.alias_gguf_path(load.ALIASES[where]) if kind == "alias" else Path(where))
     path = Path(where) / "config.json" if kind != "hub" else None
     try:
         return json.loads(path.read_text()) if path is not None and path.is_file() else {}

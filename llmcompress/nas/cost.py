@@ -151,19 +151,19 @@ def _time(fn, repeats: int, inner: int) -> float:
 def _decode_time(model, context_len: int, tokens: int = 8, repeats: int = 3) -> float:
     import torch
 
-    from llmcompress.eval.speed import _cache_kwarg, _cache_of
+    from llmcompress.eval.speed import cache_kwarg, cache_of
 
     ids = torch.randint(10, model.config.vocab_size, (1, context_len), generator=torch.Generator().manual_seed(0))
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     samples = []
     with torch.no_grad():
         for _ in range(repeats):
             out = model(input_ids=ids, use_cache=True)
-            cache, nxt = _cache_of(out), out.logits[:, -1:].argmax(-1)
+            cache, nxt = cache_of(out), out.logits[:, -1:].argmax(-1)
             t0 = time.perf_counter()
             for _ in range(tokens):
                 out = model(input_ids=nxt, **{kw: cache}, use_cache=True)
-                cache, nxt = _cache_of(out), out.logits[:, -1:].argmax(-1)
+                cache, nxt = cache_of(out), out.logits[:, -1:].argmax(-1)
             samples.append((time.perf_counter() - t0) / tokens)
     return min(samples)
 

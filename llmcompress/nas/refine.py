@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmcompress.nas.sensitivity import mean_kl, reference_logp
-from llmcompress.nas.space import Arch, SearchSpace, _apply, _moves, _up_moves, upgrade, violation
+from llmcompress.nas.space import Arch, SearchSpace, apply_move, down_moves, up_moves, upgrade, violation
 
 if TYPE_CHECKING:
     import torch
@@ -44,18 +44,18 @@ def mutate(space: SearchSpace, arch: Arch, costs, targets: dict[str, float], rng
     left (space.upgrade with `logits`; upgrade never breaks a target).
     """
     kinds = kinds or {"bits", "width", "skip"}
-    ups = [m for m in _up_moves(space, arch) if m[0] in kinds]
+    ups = [m for m in up_moves(space, arch) if m[0] in kinds]
     if not ups:
         return None
     up = rng.choice(ups)
-    new = _apply(arch, up, +1)
+    new = apply_move(arch, up, +1)
     touched = {up}
     while violation(costs.metrics(new), targets) > 1e-9:
-        downs = [m for m in _moves(space, new) if m[0] == up[0] and m not in touched]
+        downs = [m for m in down_moves(space, new) if m[0] == up[0] and m not in touched]
         if not downs:
             return None
         down = rng.choice(downs)
-        new = _apply(new, down, -1)
+        new = apply_move(new, down, -1)
         touched.add(down)
     new = upgrade(space, new, logits, costs, targets) if logits is not None else new
     return None if same_arch(new, arch) else new

@@ -186,8 +186,8 @@ def repair(space: SearchSpace, arch: Arch, logits: dict[str, torch.Tensor] | Non
     v = violation(costs.metrics(arch), targets)
     while v > 1e-9:
         best = None
-        for move in _moves(space, arch):
-            new = _apply(arch, move)
+        for move in down_moves(space, arch):
+            new = apply_move(arch, move)
             dv = v - violation(costs.metrics(new), targets)
             if dv <= 1e-12:
                 continue
@@ -209,8 +209,8 @@ def upgrade(space: SearchSpace, arch: Arch, logits: dict[str, torch.Tensor] | No
         return arch
     while True:
         best = None
-        for move in _up_moves(space, arch):
-            new = _apply(arch, move, +1)
+        for move in up_moves(space, arch):
+            new = apply_move(arch, move, +1)
             m2 = costs.metrics(new)
             if violation(m2, targets) > 1e-9:
                 continue
@@ -224,7 +224,8 @@ def upgrade(space: SearchSpace, arch: Arch, logits: dict[str, torch.Tensor] | No
         arch, m = best[1], best[2]
 
 
-def _up_moves(space: SearchSpace, arch: Arch):
+def up_moves(space: SearchSpace, arch: Arch):
+    """Every single choice that can be raised one step (a skipped layer back on), as (kind, layer, linear)."""
     for i in range(space.n_layers):
         if not arch.keep[i]:
             if space.allow_skip:
@@ -237,7 +238,8 @@ def _up_moves(space: SearchSpace, arch: Arch):
                 yield ("bits", i, j)
 
 
-def _moves(space: SearchSpace, arch: Arch):
+def down_moves(space: SearchSpace, arch: Arch):
+    """Every single choice that can be lowered one step (a kept layer skipped), as (kind, layer, linear)."""
     kept = sum(arch.keep)
     for i in range(space.n_layers):
         if not arch.keep[i]:
@@ -251,7 +253,7 @@ def _moves(space: SearchSpace, arch: Arch):
                 yield ("bits", i, j)
 
 
-def _apply(arch: Arch, move, step: int = -1) -> Arch:
+def apply_move(arch: Arch, move, step: int = -1) -> Arch:
     """Lower (step -1) or raise (+1) one choice; "skip" toggles the layer off (-1) or back on (+1)."""
     kind, i, j = move
     new = arch.copy()

@@ -1,0 +1,67 @@
+"""The state one distillation run shares between its phases (engine.py) and the end-to-end loops (e2e.py).
+
+Kept apart from both so that neither imports the other's private names (engine.py calls into e2e.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmcompress.distill.cache import FeatureCache
+from llmcompress.distill.config import DistillConfig
+from llmcompress.distill.dist import DistInfo
+from llmcompress.distill.segments import Segment
+from llmcompress.io.atomic import append_jsonl, write_json
+
+
+@dataclass
+class Run:
+    """What the phases share: config, model, layout, caches, paths, state."""
+
+    cfg: DistillConfig
+    out: Path
+    dist: DistInfo
+    device: Any
+    model: Any = None
+    tokenizer: Any = None
+    segments: list[Segment] = field(default_factory=list)
+    teacher: FeatureCache | None = None
+    norm: Any = None  # the teacher's frozen final norm and head (logit KL targets)
+    head: Any = None
+    state: dict = field(default_factory=dict)
+    log_buffer: list = field(default_factory=list)
+
+    @property
+    def work(self) -> Path:
+        return self.out / "work"
+
+    def layers(self, seg: Segment) -> list:
+        from llmcompress.io.adapters import get_adapter
+
+        return list(get_adapter(self.model).decoder_layers(self.model))[seg.student_start : seg.student_end]
+
+    def log(self, record: dict) -> None:
+        if self.dist.is_main:
+            append_jsonl(self.out / "train_log.jsonl", record)
+        else:
+            self.log_buffer.append(record)
+
+    def autocast(self):
+        """Forward passes of training, propagation and caching run under this (cfg.precision)."""
+        from llmcompress.runtime import autocast
+
+        return autocast(self.device, self.cfg.precision.value)
+
+    def save_state(self) -> None:
+        if self.dist.is_main:
+            write_json(self.work / "state.json", self.state)
+
+
+def eval_ppl(model, tokenizer, cfg: DistillConfig) -> float | None:
+    if cfg.eval_tokens <= 0 or tokenizer is None:
+        return None
+    from llmcompress.eval.perplexity import perplexity
+
+    return perplexity(model, tokenizer, "wikitext2", seq_len=cfg.eval_seq_len, max_tokens=cfg.eval_tokens)["ppl"]
