@@ -1,15 +1,21 @@
-"""Declarative search specs: YAML files of config fields (see `searches/`). Unknown keys are errors."""
+"""Declarative search specs: YAML files of config fields (see `searches/`). Unknown keys are errors.
+
+Every engine's config is a dataclass that owns its defaults, its choice Enums and its numeric RANGES; the
+CLI and `--spec FILE` only set fields (`config_from_dict`), so both meet the same checks (exit 2).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
 from llmcompress.errors import UserError
 
 C = TypeVar("C")
+E = TypeVar("E", bound=Enum)
 
 
 def config_from_dict(cls: type[C], data: dict[str, Any], base: C | None = None) -> C:
@@ -20,6 +26,14 @@ def config_from_dict(cls: type[C], data: dict[str, Any], base: C | None = None) 
     if unknown:
         raise UserError(f"unknown search-spec key(s): {', '.join(unknown)}", f"allowed keys: {', '.join(sorted(names))}")
     return dataclasses.replace(base if base is not None else cls(), **data)
+
+
+def choice(enum_cls: type[E], value: Any, key: str) -> E:
+    """`enum_cls(value)`, or UserError naming the key, the value and the choices (a spec's typo is exit 2)."""
+    try:
+        return enum_cls(value)
+    except ValueError:
+        raise UserError(f"unknown {key} {value!r}", f"use one of {', '.join(str(m.value) for m in enum_cls)}") from None
 
 
 def load_spec(cls: type[C], path: Path, example: str) -> C:

@@ -39,7 +39,7 @@ def tiny_spec(tmp_path):
     "args,needle",
     [
         (["--target-layers", "1"], "--target-layers must be >= 2"),
-        (["--method", "magic", "--pareto"], "unknown method"),
+        (["--method", "magic", "--pareto"], "'magic' is not one of"),
         (["--population", "0", "--pareto"], "population"),
         (["--generations", "-1", "--pareto"], "generations"),
         (["--ratio", "1.5"], "--ratio"),

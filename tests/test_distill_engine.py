@@ -76,7 +76,7 @@ def test_layerwise_trains_writes_outputs_and_reuses_cache(tiny_hf_dir, data_file
     res2 = distill(make_cfg(tiny_hf_dir, data_file, tmp_path, e2e_steps=2), out, overwrite=True, keep_work=True)
     assert res2.metrics["cache_dir"] == res.metrics["cache_dir"] and index.stat().st_mtime_ns == stamp
     assert [r["step"] for r in read_log(out) if r["phase"] == "e2e"] == [0, 1]
-    assert (out / "work" / "state.json").is_file() and (out / "work" / "e2e.pt").is_file()  # --keep-work
+    assert (out / "work" / "state.json").is_file() and (out / "work" / "e2e.json").is_file()  # --keep-work
 
 
 def test_cross_entropy_term_in_last_segment_and_e2e_steps(tiny_hf_dir, data_file, tmp_path):

@@ -1,4 +1,8 @@
-"""Shared option aliases, so every command spells model, device, dtype and output the same way."""
+"""Shared option aliases, so every command spells model, device, dtype and output the same way.
+
+Engine commands (collapse, distill, nas) default every config option to None, "not given": the config
+(`--spec FILE`, else the dataclass defaults) supplies the value, and `given` keeps only what the user set.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,9 @@ from typing import Annotated, Optional
 import typer
 
 ModelArg = Annotated[str, typer.Argument(help="Model: alias (smollm2-135m), HF directory, .gguf file or hub id.")]
+EngineModelArg = Annotated[Optional[str], typer.Argument(
+    help="Model: alias, HF directory, .gguf file or hub id (default: the --spec's, else smollm2-135m).", show_default=False)]
+SpecOpt = Annotated[Optional[Path], typer.Option("--spec", help="YAML spec of config fields (CLI flags override its fields).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda (auto takes a GPU when present).")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16.")]
 OutOpt = Annotated[Path, typer.Option("--out", help="Output directory (refused if it exists, unless --overwrite).")]
@@ -28,3 +35,10 @@ AllowPickleOpt = Annotated[bool, typer.Option(
     "--allow-pickle", callback=_allow_pickle,
     help="Load a model that has only pickle weights (pytorch_model.bin), with torch's weights_only loader.")]
 PushOpt = Annotated[Optional[str], typer.Option("--push-to-hub", help="Upload the saved model to this hub repo (OWNER/NAME) when online.")]
+
+
+def given(**options) -> dict:
+    """The options the user gave (not None), Enum choices as their values: the overrides of a config."""
+    from enum import Enum
+
+    return {k: (v.value if isinstance(v, Enum) else v) for k, v in options.items() if v is not None}

@@ -2,36 +2,37 @@
 
 from __future__ import annotations
 
-import enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import AllowPickleOpt, DeviceOpt, ModelArg, OverwriteOpt, PushOpt, ResumeOpt
-from llmcompress.io.load import DEFAULT_MODEL
-
-
-class Method(str, enum.Enum):
-    gelaco = "gelaco"
-    shortgpt = "shortgpt"
-    laco = "laco"
-    drop_search = "drop-search"
+from llmcompress.cli._options import (
+    AllowPickleOpt,
+    DeviceOpt,
+    EngineModelArg,
+    OverwriteOpt,
+    PushOpt,
+    ResumeOpt,
+    SpecOpt,
+    given,
+)
+from llmcompress.collapse.config import Method
 
 
 def collapse_command(
-    model: ModelArg = DEFAULT_MODEL,
+    model: EngineModelArg = None,
     pareto: Annotated[bool, typer.Option("--pareto", help="Search a Pareto front of (layers, KL) with NSGA-II.")] = False,
     target_layers: Annotated[Optional[int], typer.Option("--target-layers", help="Single-objective: keep exactly N layers.")] = None,
     ratio: Annotated[Optional[float], typer.Option("--ratio", help="Single-objective: keep this fraction of the layers.")] = None,
-    method: Annotated[Optional[str], typer.Option("--method", help="gelaco | shortgpt | laco | drop-search (default gelaco).")] = None,
+    method: Annotated[Optional[Method], typer.Option("--method", help="Search method (default gelaco).")] = None,
     population: Annotated[Optional[int], typer.Option("--population", help="Population size.")] = None,
     generations: Annotated[Optional[int], typer.Option("--generations", help="Generations after the initial population.")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed (same seed, same front).")] = None,
     refine_steps: Annotated[Optional[int], typer.Option("--refine-steps", help="Refinement moves per phase (swaps, then swaps + merge coefficients) at the saved layer counts (0: off).")] = None,
     tune_steps: Annotated[Optional[int], typer.Option("--tune-steps", help="gelaco: Adam steps tuning the merge coefficients of the refined solutions on the calibration KL (0: off).")] = None,
     save: Annotated[Optional[str], typer.Option("--save", help="Checkpoints to write: knee | all | LAYERS[,LAYERS].")] = None,
-    spec: Annotated[Optional[Path], typer.Option("--spec", help="YAML search spec (CLI flags override its fields).")] = None,
+    spec: SpecOpt = None,
     calib_tokens: Annotated[Optional[int], typer.Option("--calib-tokens", help="Calibration tokens.")] = None,
     val_tokens: Annotated[Optional[int], typer.Option("--val-tokens", help="Validation tokens (never optimized on).")] = None,
     calib_data: Annotated[Optional[str], typer.Option("--calib-data", help="Calibration source: wikitext2, a file, or self; NAME:SPLIT picks a split; several joined by commas are mixed.")] = None,
@@ -49,29 +50,25 @@ def collapse_command(
     """Collapse decoder layers by evolutionary search and save ready checkpoints of the chosen solutions."""
     import time
 
-    from llmcompress.collapse.config import METHODS, CollapseConfig, config_from_dict, load_spec
+    from llmcompress.collapse.config import CollapseConfig, config_from_dict, load_spec
     from llmcompress.errors import UserError
 
     cfg = load_spec(spec) if spec is not None else CollapseConfig()
     modes = [m for m in (pareto, target_layers is not None, ratio is not None) if m]
     if len(modes) > 1:
         raise UserError("--pareto, --target-layers and --ratio exclude each other", "pass one of them")
-    if method is not None and method not in METHODS:
-        raise UserError(f"unknown method {method!r}", f"use one of {', '.join(METHODS)}")
-    overrides = {
-        "model": model, "method": method, "population": population, "generations": generations, "seed": seed, "refine_steps": refine_steps,
-        "tune_steps": tune_steps,
-        "save": save, "calib_tokens": calib_tokens, "val_tokens": val_tokens, "calib_source": calib_data,
-        "eval_tokens": eval_tokens, "piqa_limit": piqa_limit, "max_cache_gb": max_cache_gb,
-        "save_dtype": save_dtype,
-    }
+    overrides = given(
+        model=model, method=method, population=population, generations=generations, seed=seed, refine_steps=refine_steps,
+        tune_steps=tune_steps, save=save, calib_tokens=calib_tokens, val_tokens=val_tokens, calib_source=calib_data,
+        eval_tokens=eval_tokens, piqa_limit=piqa_limit, max_cache_gb=max_cache_gb, save_dtype=save_dtype,
+    )
     if pareto:
         overrides.update(pareto=True, target_layers=None, ratio=None)
     elif target_layers is not None:
         overrides.update(pareto=False, target_layers=target_layers, ratio=None)
     elif ratio is not None:
         overrides.update(pareto=False, ratio=ratio, target_layers=None)
-    cfg = config_from_dict({k: v for k, v in overrides.items() if v is not None}, base=cfg)
+    cfg = config_from_dict(overrides, base=cfg)
     cfg.validate()
     from llmcompress.io.hub import check_push, push
 

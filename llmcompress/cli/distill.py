@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,69 +11,47 @@ import typer
 from llmcompress.cli._options import (
     AllowPickleOpt,
     DeviceOpt,
-    ModelArg,
+    EngineModelArg,
     OverwriteOpt,
     PushOpt,
     ResumeOpt,
-    SeedOpt,
+    SpecOpt,
+    given,
 )
-from llmcompress.io.load import DEFAULT_MODEL
+from llmcompress.distill.config import CacheDtype, DistillConfig, HiddenLoss, Mode, Precision, Select
 
-
-class ModeChoice(str, Enum):
-    layerwise = "layerwise"
-    e2e = "e2e"
-
-
-class SelectChoice(str, Enum):
-    uniform = "uniform"
-    bi = "bi"
-
-
-class LossChoice(str, Enum):
-    mse = "mse"
-    cosine = "cosine"
-
-
-class PrecisionChoice(str, Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-
-
-class CacheDtypeChoice(str, Enum):
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
+D = DistillConfig  # the defaults the help shows come from the config
 
 
 def distill_command(
-    teacher: ModelArg = DEFAULT_MODEL,
+    teacher: EngineModelArg = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (required; refused if it exists, unless --overwrite or --resume).")] = None,
+    spec: SpecOpt = None,
     keep_layers: Annotated[Optional[int], typer.Option("--keep-layers", help="Student = teacher with N layers kept.")] = None,
     student: Annotated[Optional[str], typer.Option("--student", help="Student checkpoint whose manifest has a layer_map (e.g. a collapse output).")] = None,
-    select: Annotated[SelectChoice, typer.Option("--select", help="Which layers --keep-layers keeps: uniform | bi (Block Influence).")] = SelectChoice.uniform,
-    train_tokens: Annotated[int, typer.Option("--train-tokens", help="Training budget: tokens each student layer trains on (default: about 10 min on 2 CPU cores).")] = 16384,
-    epochs: Annotated[int, typer.Option("--epochs", help="Passes over the data: train on train-tokens / E distinct tokens E times (the teacher cache is built once).")] = 1,
-    mode: Annotated[ModeChoice, typer.Option("--mode", help="layerwise (curriculum) | e2e (end-to-end logit KL baseline).")] = ModeChoice.layerwise,
+    select: Annotated[Optional[Select], typer.Option("--select", help=f"Which layers --keep-layers keeps: uniform | bi (Block Influence); default {D.select.value}.")] = None,
+    train_tokens: Annotated[Optional[int], typer.Option("--train-tokens", help=f"Training budget: tokens each student layer trains on (default {D.train_tokens}: about 10 min on 2 CPU cores).")] = None,
+    epochs: Annotated[Optional[int], typer.Option("--epochs", help=f"Passes over the data: train on train-tokens / E distinct tokens E times (the teacher cache is built once; default {D.epochs}).")] = None,
+    mode: Annotated[Optional[Mode], typer.Option("--mode", help=f"layerwise (curriculum) | e2e (end-to-end logit KL baseline); default {D.mode.value}.")] = None,
     segments: Annotated[Optional[int], typer.Option("--segments", help="Number of segments (default: one per student layer).")] = None,
-    e2e_steps: Annotated[int, typer.Option("--e2e-steps", help="End-to-end logit-KL steps after the layer-wise phases.")] = 0,
+    e2e_steps: Annotated[Optional[int], typer.Option("--e2e-steps", help=f"End-to-end logit-KL steps after the layer-wise phases (default {D.e2e_steps}).")] = None,
     e2e_lr: Annotated[Optional[float], typer.Option("--e2e-lr", help="Learning rate of the --e2e-steps phase (default: a quarter of --lr).")] = None,
-    data: Annotated[str, typer.Option("--data", help="Training text: wikitext2 | tinyshakespeare | piqa | self | a .txt/.jsonl path; NAME:SPLIT picks a split; several joined by commas are mixed (e.g. wikitext2,tinyshakespeare:all).")] = "wikitext2",
-    data_split: Annotated[str, typer.Option("--data-split", help="Split of a named dataset.")] = "valid",
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per training block.")] = 256,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Blocks per step (= one cache shard).")] = 4,
+    data: Annotated[Optional[str], typer.Option("--data", help=f"Training text: wikitext2 | tinyshakespeare | piqa | self | a .txt/.jsonl path; NAME:SPLIT picks a split; several joined by commas are mixed (e.g. wikitext2,tinyshakespeare:all); default {D.data}.")] = None,
+    data_split: Annotated[Optional[str], typer.Option("--data-split", help=f"Split of a named dataset (default {D.data_split}).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help=f"Tokens per training block (default {D.seq_len}).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help=f"Blocks per step (= one cache shard; default {D.batch_size}).")] = None,
     lr: Annotated[Optional[float], typer.Option("--lr", help="AdamW learning rate (default: 2e-3 layer-wise, 5e-4 e2e).")] = None,
-    hidden_loss: Annotated[LossChoice, typer.Option("--hidden-loss", help="Per-token hidden-state loss: mse (normalised) | cosine.")] = LossChoice.mse,
-    kl_weight: Annotated[float, typer.Option("--kl-weight", help="Weight of the last segment's logit KL.")] = 1.0,
-    ce_weight: Annotated[float, typer.Option("--ce-weight", help="Weight of the next-token cross-entropy on the training text, added to every logit KL (0 = pure distillation).")] = 0.0,
-    phase1_fraction: Annotated[float, typer.Option("--phase1-fraction", help="Share of the budget on teacher inputs (phase 1).")] = 0.25,
-    precision: Annotated[PrecisionChoice, typer.Option("--precision", help="Compute precision of training and caching: fp32 | bf16 (autocast; weights and optimiser stay fp32).")] = PrecisionChoice.fp32,
-    cache_dtype: Annotated[CacheDtypeChoice, typer.Option("--cache-dtype", help="Dtype of the cached teacher features.")] = CacheDtypeChoice.bf16,
+    hidden_loss: Annotated[Optional[HiddenLoss], typer.Option("--hidden-loss", help=f"Per-token hidden-state loss: mse (normalised) | cosine; default {D.hidden_loss.value}.")] = None,
+    kl_weight: Annotated[Optional[float], typer.Option("--kl-weight", help=f"Weight of the last segment's logit KL (default {D.kl_weight:g}).")] = None,
+    ce_weight: Annotated[Optional[float], typer.Option("--ce-weight", help=f"Weight of the next-token cross-entropy on the training text, added to every logit KL (0 = pure distillation; default {D.ce_weight:g}).")] = None,
+    phase1_fraction: Annotated[Optional[float], typer.Option("--phase1-fraction", help=f"Share of the budget on teacher inputs (phase 1; default {D.phase1_fraction:g}).")] = None,
+    precision: Annotated[Optional[Precision], typer.Option("--precision", help=f"Compute precision of training and caching: fp32 | bf16 (autocast; weights and optimiser stay fp32); default {D.precision.value}.")] = None,
+    cache_dtype: Annotated[Optional[CacheDtype], typer.Option("--cache-dtype", help=f"Dtype of the cached teacher features (default {D.cache_dtype.value}).")] = None,
     cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="Where the feature cache lives (default: the llmcompress cache).")] = None,
-    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report's perplexities (0 skips).")] = 8192,
+    eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help=f"WikiText-2 test tokens for the report's perplexities (0 skips; default {D.eval_tokens}).")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads (default: torch's choice).")] = None,
     device: DeviceOpt = "auto",
-    seed: SeedOpt = 0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help=f"Random seed (default {D.seed}).")] = None,
     overwrite: OverwriteOpt = False,
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for the saved checkpoint (default: the source model's dtype).")] = None,
     resume: ResumeOpt = False,
@@ -87,7 +64,7 @@ def distill_command(
     Writes OUT/student (HF checkpoint + llmcompress.json with layer_map), OUT/train_log.jsonl,
     OUT/report.md and OUT/metrics.json. Under torchrun, segments are spread over ranks.
     """
-    from llmcompress.distill import DistillConfig
+    from llmcompress.distill.config import DistillConfig, config_from_dict, load_spec
     from llmcompress.errors import UserError
     from llmcompress.io.atomic import check_out_dir
 
@@ -96,14 +73,15 @@ def distill_command(
     from llmcompress.io.hub import check_push, push
 
     check_push(push_to_hub)
-    cfg = DistillConfig(
-        teacher=teacher, keep_layers=keep_layers, student=student, select=select.value, mode=mode.value,
+    overrides = given(
+        teacher=teacher, keep_layers=keep_layers, student=student, select=select, mode=mode,
         train_tokens=train_tokens, epochs=epochs, segments=segments, data=data, data_split=data_split, seq_len=seq_len,
-        batch_size=batch_size, lr=lr, hidden_loss=hidden_loss.value, kl_weight=kl_weight, ce_weight=ce_weight,
-        phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, e2e_lr=e2e_lr, precision=precision.value, cache_dtype=cache_dtype.value,
+        batch_size=batch_size, lr=lr, hidden_loss=hidden_loss, kl_weight=kl_weight, ce_weight=ce_weight,
+        phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, e2e_lr=e2e_lr, precision=precision, cache_dtype=cache_dtype,
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
         save_dtype=save_dtype,
     )
+    cfg = config_from_dict(overrides, base=load_spec(spec) if spec is not None else DistillConfig())
     cfg.validate()  # every number, before torch loads
     if os.environ.get("RANK", "0") == "0":  # fail fast, before torch loads (rank 0 only: it creates --out)
         from llmcompress.distill.plan import feature_cache_bytes
@@ -111,11 +89,11 @@ def distill_command(
 
         check_out_dir(out, overwrite=overwrite, resume=resume)
         features = feature_cache_bytes(cfg)
-        if cache_dir is None:
-            check_run_outputs(out, [teacher], out_factor=2, cache_extra=features)  # the student and work/ segments
+        if cfg.cache_dir is None:
+            check_run_outputs(out, [cfg.teacher], out_factor=2, cache_extra=features)  # the student and work/ segments
         else:
-            check_run_outputs(out, [teacher], out_factor=2)
-            check_writable(cache_dir, features, "--cache-dir")
+            check_run_outputs(out, [cfg.teacher], out_factor=2)
+            check_writable(Path(cfg.cache_dir), features, "--cache-dir")
     from llmcompress.cli._errors import note_output
 
     note_output(out)

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import AllowPickleOpt, ModelArg, OverwriteOpt, PushOpt, ResumeOpt
-from llmcompress.io.load import DEFAULT_MODEL
-
-
-class Mode(str, enum.Enum):
-    joint = "joint"
-    sequential = "sequential"
-    uniform = "uniform"
+from llmcompress.cli._options import (
+    AllowPickleOpt,
+    EngineModelArg,
+    OverwriteOpt,
+    PushOpt,
+    ResumeOpt,
+    SpecOpt,
+    given,
+)
+from llmcompress.nas.config import CostModel, Mode, QuantMethod
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -28,7 +29,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def nas_command(
-    model: ModelArg = DEFAULT_MODEL,
+    model: EngineModelArg = None,
     target_latency: Annotated[Optional[float], typer.Option("--target-latency", help="Modeled latency relative to dense (e.g. 0.6).")] = None,
     target_size_mb: Annotated[Optional[float], typer.Option("--target-size-mb", help="Packed size in MB.")] = None,
     target_bits: Annotated[Optional[float], typer.Option("--target-bits", help="Average bits per quantized weight.")] = None,
@@ -36,12 +37,12 @@ def nas_command(
     baselines: Annotated[Optional[str], typer.Option("--baselines", help="Extra modes for the report, e.g. sequential,uniform ('' for none).")] = None,
     bits: Annotated[Optional[str], typer.Option("--bits", help="Bit widths to choose from (default 2,3,4,8,16).")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", help="Quantization group size (default: 128 if it divides all widths, else 64...).")] = None,
-    cost_model: Annotated[Optional[str], typer.Option("--cost-model", help="analytic (bytes per decoded token, default) | lut (decode time measured here).")] = None,
-    quant_method: Annotated[Optional[str], typer.Option("--quant", help="How the plan is applied: gptq (default, error compensation) | rtn.")] = None,
+    cost_model: Annotated[Optional[CostModel], typer.Option("--cost-model", help="analytic (bytes per decoded token, default) | lut (decode time measured here).")] = None,
+    quant_method: Annotated[Optional[QuantMethod], typer.Option("--quant", help="How the plan is applied: gptq (default, error compensation) | rtn.")] = None,
     train_tokens: Annotated[Optional[int], typer.Option("--train-tokens", help="Search tokens (default 16384).")] = None,
     eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report (0 skips).")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed.")] = None,
-    spec: Annotated[Optional[Path], typer.Option("--spec", help="YAML search spec (CLI flags override its fields).")] = None,
+    spec: SpecOpt = None,
     export: Annotated[Optional[str], typer.Option("--export", help="Deployable formats next to hf/: gguf, compressed-tensors (comma-separated).")] = None,
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for saved float tensors (default: the source model's dtype).")] = None,
     resume: ResumeOpt = False,
@@ -60,16 +61,16 @@ def nas_command(
 
     check_push(push_to_hub)
     cfg = load_spec(spec) if spec is not None else NasConfig()
-    overrides = {
-        "model": model, "target_latency": target_latency, "target_size_mb": target_size_mb, "target_bits": target_bits,
-        "mode": mode.value if mode else None, "group_size": group_size, "cost_model": cost_model, "quant_method": quant_method,
-        "train_tokens": train_tokens, "eval_tokens": eval_tokens, "seed": seed,
-        "bits": _int_list(bits, "--bits") if bits is not None else None,
-        "baselines": [b.strip() for b in baselines.split(",") if b.strip()] if baselines is not None else None,
-        "export": [f.strip() for f in export.split(",") if f.strip()] if export is not None else None,
-        "save_dtype": save_dtype,
-    }
-    cfg = config_from_dict({k: v for k, v in overrides.items() if v is not None}, base=cfg)
+    overrides = given(
+        model=model, target_latency=target_latency, target_size_mb=target_size_mb, target_bits=target_bits,
+        mode=mode, group_size=group_size, cost_model=cost_model, quant_method=quant_method,
+        train_tokens=train_tokens, eval_tokens=eval_tokens, seed=seed,
+        bits=_int_list(bits, "--bits") if bits is not None else None,
+        baselines=[b.strip() for b in baselines.split(",") if b.strip()] if baselines is not None else None,
+        export=[f.strip() for f in export.split(",") if f.strip()] if export is not None else None,
+        save_dtype=save_dtype,
+    )
+    cfg = config_from_dict(overrides, base=cfg)
     cfg.validate()
     from llmcompress.io.atomic import check_out_dir, removed_if_left_empty
 

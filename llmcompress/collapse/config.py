@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from llmcompress import spec
 from llmcompress.errors import UserError
 from llmcompress.io.load import DEFAULT_MODEL
 from llmcompress.spec import MAX_BATCH, MAX_COUNT, MAX_SEED, MAX_SEQ, MAX_TOKENS, Int, Real
 
-METHODS = ("gelaco", "shortgpt", "laco", "drop-search")
-Method = Literal["gelaco", "shortgpt", "laco", "drop-search"]
+
+class Method(str, Enum):
+    """The `method` choices (the field holds the value string)."""
+
+    GELACO = "gelaco"
+    SHORTGPT = "shortgpt"
+    LACO = "laco"
+    DROP_SEARCH = "drop-search"
+
+
+METHODS = tuple(m.value for m in Method)
 KINDS = ("attention", "mlp", "norm")  # merge-coefficient kinds; "other" parameters follow "mlp"
 
 
@@ -58,7 +66,7 @@ class CollapseConfig:
     """
 
     model: str = DEFAULT_MODEL
-    method: Method = "gelaco"
+    method: str = Method.GELACO.value
     pareto: bool = True
     target_layers: int | None = None
     ratio: float | None = None
@@ -107,9 +115,9 @@ class CollapseConfig:
 
     def fingerprint(self) -> str:
         """Hash of the fields that decide the search result (a resume must match it)."""
-        skip = {"save", "eval_tokens", "eval_seq_len", "piqa_limit", "max_cache_gb", "generations", "save_dtype"}
-        d = {k: v for k, v in self.to_dict().items() if k not in skip}
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        from llmcompress.io.rundir import fingerprint
+
+        return fingerprint(self.to_dict(), skip=("save", "eval_tokens", "eval_seq_len", "piqa_limit", "max_cache_gb", "generations", "save_dtype"))
 
     def validate(self, n_layers: int | None = None) -> None:
         """Raise UserError on bad values; with `n_layers`, also check the layer budget against the depth."""

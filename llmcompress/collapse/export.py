@@ -12,6 +12,7 @@ from llmcompress.collapse.space import Candidate
 from llmcompress.io.adapters import get_adapter
 from llmcompress.io.atomic import atomic_path, write_json, write_text
 from llmcompress.io.surgery import replace_layers
+from llmcompress.table import fmt, markdown_table
 
 
 def build_model(model, cand: Candidate):
@@ -160,7 +161,15 @@ def held_out_self_blocks(model, tokenizer, *, eval_tokens: int, seq_len: int, se
 
 def quality(model, tokenizer, *, eval_tokens: int, seq_len: int, piqa_limit: int, ppl_blocks=None) -> dict:
     """WikiText-2 test perplexity (or, given `ppl_blocks`, perplexity on those held-out self-text blocks:
-    `ppl_self`) and PIQA accuracy (each skipped when its budget is 0 or it is unavailable)."""
+    `ppl_self`) and PIQA accuracy (each skipped when its budget is 0).
+
+    A measure that cannot run because its data or lm-eval is unavailable becomes a note with its cause
+    (`ppl_error`/`piqa_error`, listed under the report's Notes and said once on stderr), so the report
+    keeps the search; any other error (a bug) propagates.
+    """
+    from llmcompress.errors import UserError
+
+    unavailable = (UserError, ImportError, OSError)
     out: dict = {}
     if eval_tokens > 0 and ppl_blocks is not None:
         import math
@@ -170,26 +179,35 @@ def quality(model, tokenizer, *, eval_tokens: int, seq_len: int, piqa_limit: int
         nll, n = nll_of_blocks(model, ppl_blocks, description="ppl held-out self text")
         out["ppl_self"] = math.exp(nll / n)
     elif eval_tokens > 0 and tokenizer is not None:
-        from llmcompress.eval.perplexity import perplexity
+        from llmcompress.eval.report import WIKITEXT2_PPL, measure, wikitext2_spec
 
         try:
-            seq = min(seq_len, eval_tokens)
-            out["ppl_wikitext2"] = perplexity(model, tokenizer, "wikitext2", seq_len=seq, max_tokens=eval_tokens)["ppl"]
-        except Exception as exc:  # noqa: BLE001 - a report must not lose the search over a missing dataset
-            out["ppl_error"] = f"{type(exc).__name__}: {exc}"
+            out["ppl_wikitext2"] = measure(model, tokenizer, wikitext2_spec(eval_tokens, min(seq_len, eval_tokens)))[WIKITEXT2_PPL]
+        except unavailable as exc:  # a missing dataset must not lose the search
+            out["ppl_error"] = _note("WikiText-2 perplexity", exc)
     if piqa_limit > 0 and tokenizer is not None:
         try:
             from llmcompress.eval.lmeval import run_lm_eval
 
             res = run_lm_eval(model, tokenizer, tasks=["piqa"], limit=piqa_limit)
             out["piqa_acc"] = res.get("piqa", {}).get("acc")
-        except Exception as exc:  # noqa: BLE001 - lm-eval glue is optional (ImportError, missing data, ...)
-            out["piqa_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        except unavailable as exc:  # lm-eval is optional, PIQA may be missing
+            out["piqa_error"] = _note("PIQA", exc)
     return out
 
 
-def _fmt(v, spec=".3f"):
-    return "—" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+_NOTED: set[str] = set()
+
+
+def _note(what: str, exc: BaseException) -> str:
+    """`what` not measured, with the cause; said once per process on stderr (the report lists it too)."""
+    import sys
+
+    text = f"{what} not measured: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    if text not in _NOTED:
+        _NOTED.add(text)
+        print(f"notice: {text}", file=sys.stderr)
+    return text
 
 
 def _wikitext_protocol(meta: dict) -> str:
@@ -206,20 +224,19 @@ def write_report(path: Path, rows: list[dict], meta: dict) -> None:
         f"- method: {meta.get('method')}; mode: {'pareto' if meta.get('pareto') else 'single'}; "
         f"population {meta.get('population')}, generations {meta.get('generations')}, seed {meta.get('seed')}",
         f"- calibration: {meta.get('calibration')}; validation: {meta.get('validation')} (never optimized on)",
-        f"- search: {meta.get('evaluations')} fitness evaluations in {_fmt(meta.get('search_seconds'), '.1f')} s "
-        f"({_fmt(meta.get('evals_per_s'), '.3f')} evals/s, prefix cache on)",
+        f"- search: {meta.get('evaluations')} fitness evaluations in {fmt(meta.get('search_seconds'), '.1f')} s "
+        f"({fmt(meta.get('evals_per_s'), '.3f')} evals/s, prefix cache on)",
         f"- perplexity: {meta.get('ppl_protocol') or _wikitext_protocol(meta)}; "
         f"PIQA: {meta.get('piqa_note') or str(meta.get('piqa_limit')) + ' examples'}",
         "",
-        f"| model | layers | params | KL calib | KL val | {'held-out self-text ppl' if meta.get('ppl_source') == 'self' else 'WikiText-2 ppl'} | PIQA acc | changes |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for r in rows:
-        ppl = r.get("ppl_self") if meta.get("ppl_source") == "self" else r.get("ppl_wikitext2")
-        lines.append(
-            f"| {r['name']} | {r['layers']} | {r['params'] / 1e6:.1f}M | {_fmt(r.get('kl_calib'))} | {_fmt(r.get('kl_val'))} | "
-            f"{_fmt(ppl, '.2f')} | {_fmt(r.get('piqa_acc'))} | {r.get('changes', '')} |"
-        )
+    ppl_key = "ppl_self" if meta.get("ppl_source") == "self" else "ppl_wikitext2"
+    lines += markdown_table(
+        ["model", "layers", "params", "KL calib", "KL val", "held-out self-text ppl" if ppl_key == "ppl_self" else "WikiText-2 ppl", "PIQA acc", "changes"],
+        [[r["name"], r["layers"], f"{r['params'] / 1e6:.1f}M", fmt(r.get("kl_calib"), ".3f"), fmt(r.get("kl_val"), ".3f"),
+          fmt(r.get(ppl_key), ".2f"), fmt(r.get("piqa_acc"), ".3f"), r.get("changes", "")] for r in rows],
+        align="lrrrrrrl",
+    )
     saved = [r for r in rows if r.get("bytes_on_disk")]
     if saved:
         lines += ["", "Checkpoints on disk: " + "; ".join(

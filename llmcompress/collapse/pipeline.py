@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,13 @@ class CollapseResult:
     saved: list[Path] = field(default_factory=list)
     evals_per_s: float = float("nan")
     search_seconds: float = 0.0
+
+
+def stale_files() -> tuple[str, ...]:
+    """What a collapse run keeps for --resume and its log: removed by --overwrite (io/rundir.py)."""
+    from llmcompress.collapse import refine, search, tune
+
+    return (search.STATE_FILE, search.LEGACY_STATE_FILE, search.LOG_FILE, refine.STATE_FILE, tune.STATE_FILE)
 
 
 def prepare(cfg: CollapseConfig, lm, *, calib_blocks=None, val_blocks=None, cache_dir=None):
@@ -79,6 +85,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
         device: where the model, its cached states and every candidate run ("cpu", "cuda[:N]", "auto").
     """
     from llmcompress.collapse import export as E
+    from llmcompress.collapse.fitness import STATES_PREFIX
     from llmcompress.collapse.search import (
         load_state,
         make_space,
@@ -86,15 +93,16 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
         run_search,
         select_by_validation,
     )
-    from llmcompress.io.atomic import check_out_dir, write_json
+    from llmcompress.io.atomic import write_json
     from llmcompress.io.load import load_model
+    from llmcompress.io.rundir import claim, clean
     from llmcompress.progress import bar
     from llmcompress.runtime import resolve_device, seed_everything
 
     out_dir = Path(out_dir)
     cfg.validate()
     dev, _ = resolve_device(device)
-    check_out_dir(out_dir, overwrite=overwrite, resume=resume)
+    run_dir = claim(out_dir, overwrite=overwrite, resume=resume, stale=stale_files())
     lm = lm or load_model(cfg.model, device=dev)
     L = lm.model.config.num_hidden_layers
     cfg.validate(L)
@@ -107,15 +115,9 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
         )
     if resume:
         load_state(out_dir, cfg, cfg.model)  # wrong model/config: one-line error before any work
-    elif overwrite and out_dir.exists():
-        for stale in ("search_state.json", "search_state.pkl", "search_log.jsonl", "refine_state.json", "tune_state.json"):
-            (out_dir / stale).unlink(missing_ok=True)
     seed_everything(cfg.seed)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    from llmcompress.collapse.fitness import STATES_PREFIX
-
-    for stale in out_dir.glob(STATES_PREFIX + "*"):  # states spilled to disk by a killed run: never reused
-        shutil.rmtree(stale, ignore_errors=True)
+    run_dir.start()
+    clean(out_dir, [STATES_PREFIX + "*"])  # states spilled to disk by a killed run: never reused, even on --resume
     evaluation = _evaluation_sources(cfg)
     ev = prepare(cfg, lm, cache_dir=out_dir)  # reads the calibration data: bad data fails before anything is written
     write_json(out_dir / "config.json", cfg.to_dict())

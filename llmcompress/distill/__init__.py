@@ -8,9 +8,18 @@ Importing this package is cheap; torch loads when `distill` runs.
 
 from __future__ import annotations
 
-from llmcompress.distill.config import CacheDtype, DistillConfig, HiddenLoss, Mode, Select
+from llmcompress.distill.config import (
+    CacheDtype,
+    DistillConfig,
+    HiddenLoss,
+    Mode,
+    Precision,
+    Select,
+    config_from_dict,
+    load_spec,
+)
 
-__all__ = ["CacheDtype", "DistillConfig", "HiddenLoss", "Mode", "Select", "distill", "DistillResult"]
+__all__ = ["CacheDtype", "DistillConfig", "HiddenLoss", "Mode", "Precision", "Select", "config_from_dict", "distill", "DistillResult", "load_spec"]
 
 
 def __getattr__(name: str):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
+from llmcompress import spec
 from llmcompress.io.load import DEFAULT_MODEL
 from llmcompress.spec import (
     MAX_BATCH,
@@ -17,6 +19,7 @@ from llmcompress.spec import (
     Int,
     Real,
     check_ranges,
+    choice,
 )
 
 
@@ -128,11 +131,11 @@ class DistillConfig:
     version: int = 1
 
     def __post_init__(self) -> None:
-        self.select = Select(self.select)
-        self.mode = Mode(self.mode)
-        self.hidden_loss = HiddenLoss(self.hidden_loss)
-        self.cache_dtype = CacheDtype(self.cache_dtype)
-        self.precision = Precision(self.precision)
+        self.select = choice(Select, self.select, "select")
+        self.mode = choice(Mode, self.mode, "mode")
+        self.hidden_loss = choice(HiddenLoss, self.hidden_loss, "hidden_loss")
+        self.cache_dtype = choice(CacheDtype, self.cache_dtype, "cache_dtype")
+        self.precision = choice(Precision, self.precision, "precision")
         if self.save_dtype is not None:
             from llmcompress.io.dtypes import torch_dtype
 
@@ -163,14 +166,6 @@ class DistillConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         return {k: (v.value if isinstance(v, Enum) else v) for k, v in d.items()}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DistillConfig:
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown DistillConfig keys: {sorted(unknown)}")
-        return cls(**d)
 
     def result_dict(self) -> dict[str, Any]:
         """The fields that decide the trained weights (for resume checks; excludes eval/cache placement)."""
@@ -205,3 +200,13 @@ RANGES = {
     "seed": Int("--seed", 0, MAX_SEED),
     "threads": Int("--threads", 1, MAX_THREADS),
 }
+
+
+def config_from_dict(d: dict[str, Any], base: DistillConfig | None = None) -> DistillConfig:
+    """A copy of `base` with the fields of `d` set; unknown keys are errors."""
+    return spec.config_from_dict(DistillConfig, d, base)
+
+
+def load_spec(path: Path) -> DistillConfig:
+    """Load a YAML spec (a mapping of DistillConfig fields)."""
+    return spec.load_spec(DistillConfig, path, "searches/distill-default.yaml")

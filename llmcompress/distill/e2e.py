@@ -52,7 +52,7 @@ def train_e2e(run: Run, teacher, keep: list[int] | None, blocks):
         run, student, get_adapter(student).decoder_layers(student), steps=steps, lr=cfg.learning_rate, order=order,
         load=lambda j: {"ids": blocks[j * cfg.batch_size : (j + 1) * cfg.batch_size]},
         teacher_logits=lambda batch, ids: teacher(input_ids=ids, use_cache=False).logits,
-        title="end-to-end distillation", name="e2e-checkpoint.pt",
+        title="end-to-end distillation", name="e2e-checkpoint.json",
     )
     return student.eval()
 
@@ -99,25 +99,19 @@ def logit_steps(run: Run, model, layers, *, steps: int, lr: float, order: list, 
         p.grad = None
 
 
-def checkpoint(run: Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.pt") -> None:
-    """Student layers + optimiser state after `step` steps, written atomically to work/`name` (for --resume)."""
-    import torch
+def checkpoint(run: Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.json") -> None:
+    """Student layers + optimiser state after `step` steps, written to work/`name` (+ .safetensors; for --resume)."""
+    from llmcompress.io.rundir import save_state
 
-    from llmcompress.io.atomic import atomic_path
-
-    with atomic_path(run.work / name) as tmp:
-        torch.save({"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict()}, tmp)
+    save_state(run.work / name, {"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict()})
 
 
-def restore(run: Run, layers, opt, steps: int, name: str = "e2e-checkpoint.pt") -> int:
+def restore(run: Run, layers, opt, steps: int, name: str = "e2e-checkpoint.json") -> int:
     """Step to continue from (0 without a matching checkpoint in work/`name`)."""
-    import torch
+    from llmcompress.io.rundir import load_state
 
-    path = run.work / name
-    if not path.is_file():
-        return 0
-    st = torch.load(path, weights_only=True)
-    if st["steps"] != steps:
+    st = load_state(run.work / name)
+    if st is None or st["steps"] != steps:
         return 0
     layers.load_state_dict(st["layers"])
     opt.load_state_dict(st["opt"])

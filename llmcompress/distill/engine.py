@@ -45,6 +45,7 @@ from llmcompress.distill.segments import (
     teacher_boundaries,
 )
 from llmcompress.io.atomic import append_jsonl, atomic_path, write_json
+from llmcompress.io.rundir import load_state, save_state
 
 
 def peak_rss_mb() -> float:
@@ -282,7 +283,7 @@ def _e2e_from_cache(run: Run, steps: int) -> None:
     """End-to-end logit KL on the whole student, teacher logits from the cached final teacher states.
 
     At --e2e-lr (default a quarter of the layer-wise learning rate); checkpointed every quarter of the steps
-    (work/e2e-steps-checkpoint.pt), so `--resume` continues from the last quarter.
+    (work/e2e-steps-checkpoint.json), so `--resume` continues from the last quarter.
     """
     from llmcompress.distill.e2e import logit_steps
     from llmcompress.io.adapters import get_adapter
@@ -294,7 +295,7 @@ def _e2e_from_cache(run: Run, steps: int) -> None:
         order=cur.epoch_order(run.teacher.n_shards, steps, seed=cfg.seed + 7),
         load=lambda i: run.teacher.read(i, ["ids", last]),
         teacher_logits=lambda batch, ids: run.head(run.norm(_to(batch[last], run))),
-        title="end-to-end steps", name="e2e-steps-checkpoint.pt",
+        title="end-to-end steps", name="e2e-steps-checkpoint.json",
     )
 
 
@@ -395,7 +396,6 @@ def distill(
 
 def _layerwise(run: Run, lm, keep: list[int] | None, blocks, metrics: dict):
     """Cache, free the teacher, phases 1 and 2, optional e2e steps; returns the trained student model."""
-    import torch
 
     from llmcompress.io.adapters import get_adapter
     from llmcompress.io.checkpoint import weights_hash
@@ -467,14 +467,13 @@ def _layerwise(run: Run, lm, keep: list[int] | None, blocks, metrics: dict):
     metrics["phase2_s"] = round(time.perf_counter() - t2, 2)
     if cfg.e2e_steps > 0:
         t3 = time.perf_counter()
-        if not run.state.get("e2e_done"):
+        if not run.state.get("e2e_done") or not (run.work / "e2e.json").is_file():  # (a run saved before e2e.json redoes it)
             _e2e_from_cache(run, cfg.e2e_steps)
-            with atomic_path(run.work / "e2e.pt") as tmp:
-                torch.save({k: v for k, v in model.state_dict().items()}, tmp)
+            save_state(run.work / "e2e.json", {"model": model.state_dict()})
             run.state["e2e_done"] = True
             run.save_state()
         else:
-            model.load_state_dict(torch.load(run.work / "e2e.pt", weights_only=True))
+            model.load_state_dict(load_state(run.work / "e2e.json")["model"])
         metrics["e2e_s"] = round(time.perf_counter() - t3, 2)
     return model
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 from llmcompress.distill.config import DistillConfig
@@ -16,15 +15,16 @@ from llmcompress.distill.segments import (
     validate_layer_map,
 )
 from llmcompress.errors import DataError, UserError
-from llmcompress.io.atomic import check_out_dir
+from llmcompress.io.rundir import claim
 from llmcompress.metrics import block_influence
+
+STALE = ("work", "student", "train_log.jsonl", "report.md", "metrics.json")  # removed by --overwrite (io/rundir.py)
 
 
 def prepare_out(cfg: DistillConfig, out: Path, overwrite: bool, resume: bool, dist: DistInfo) -> dict:
     """Check --out, and return the saved run state when resuming (empty otherwise)."""
     out = Path(out)
-    if dist.is_main:
-        check_out_dir(out, overwrite=overwrite, resume=resume)
+    run_dir = claim(out, overwrite=overwrite, resume=resume, stale=STALE) if dist.is_main else None
     state_path = out / "work" / "state.json"
     state: dict = {}
     finished = out / "student" / "llmcompress.json"  # a finished run's work/ is gone; its manifest has the settings
@@ -43,10 +43,8 @@ def prepare_out(cfg: DistillConfig, out: Path, overwrite: bool, resume: bool, di
                 f"--resume: {out} holds a run with different settings",
                 "rerun with the same options, or use --overwrite to start again",
             )
-    elif dist.is_main and overwrite:
-        for name in ("work", "student", "train_log.jsonl", "report.md", "metrics.json"):
-            p = out / name
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    elif run_dir is not None:
+        run_dir.start(resuming=False, create=False)  # --overwrite: the previous run's files go (also on a --resume without state)
     dist.barrier()
     return state or {"config": cfg.result_dict(), "phase1_done": [], "phase2_done": [], "e2e_done": False}
 

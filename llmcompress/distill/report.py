@@ -6,16 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from llmcompress.io.atomic import write_text
+from llmcompress.table import fmt, markdown_table
 
 
 def _fmt(v: Any) -> str:
-    if v is None:
-        return "not measured"
-    if isinstance(v, float):
-        return f"{v:,.2f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
+    return fmt(v, ",.2f", none="not measured")
 
 
 def render(cfg, metrics: dict[str, Any]) -> str:
@@ -39,19 +34,15 @@ def render(cfg, metrics: dict[str, Any]) -> str:
     for key, label in (("cache_s", "feature caching (s)"), ("phase1_s", "phase 1 (s)"), ("phase2_s", "phase 2 (s)"), ("e2e_s", "end-to-end steps (s)")):
         if key in metrics:
             rows.append((label, metrics[key]))
-    lines = ["# llmcompress distill report", "", "| | |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v in rows]
+    lines = ["# llmcompress distill report", "", *markdown_table(["", ""], [(k, _fmt(v)) for k, v in rows])]
     ppl = f"WikiText-2 raw test, first {cfg.eval_tokens} tokens, seq-len {cfg.eval_seq_len}"
     lines += ["", f"Perplexity: {ppl}. Peak memory: ru_maxrss of this process (includes loading the teacher)."]
     if "order" in metrics:
-        lines += ["", "## Segments", "", "| segment | teacher layers | student layers | initial loss | difficulty rank |", "|---|---|---|---|---|"]
         rank = {k: i for i, k in enumerate(metrics["order"])}
-        for seg in metrics["segments"]:
-            k = seg["index"]
-            lines.append(
-                f"| {k} | {seg['teacher_start']}..{seg['teacher_end'] - 1} | {seg['student_start']}..{seg['student_end'] - 1} "
-                f"| {metrics['initial_losses'].get(str(k), float('nan')):.4f} | {rank.get(k, '-')} |"
-            )
+        lines += ["", "## Segments", "", *markdown_table(
+            ["segment", "teacher layers", "student layers", "initial loss", "difficulty rank"],
+            [[s["index"], f"{s['teacher_start']}..{s['teacher_end'] - 1}", f"{s['student_start']}..{s['student_end'] - 1}",
+              f"{metrics['initial_losses'].get(str(s['index']), float('nan')):.4f}", rank.get(s["index"], "-")] for s in metrics["segments"]])]
     lines += ["", "Settings: " + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()), ""]
     return "\n".join(lines)
 

@@ -60,8 +60,9 @@ class Run:
 
 
 def eval_ppl(model, tokenizer, cfg: DistillConfig) -> float | None:
+    """WikiText-2 perplexity for the report, through the eval module (None when eval_tokens is 0)."""
     if cfg.eval_tokens <= 0 or tokenizer is None:
         return None
-    from llmcompress.eval.perplexity import perplexity
+    from llmcompress.eval.report import WIKITEXT2_PPL, measure, wikitext2_spec
 
-    return perplexity(model, tokenizer, "wikitext2", seq_len=cfg.eval_seq_len, max_tokens=cfg.eval_tokens)["ppl"]
+    return measure(model, tokenizer, wikitext2_spec(cfg.eval_tokens, cfg.eval_seq_len))[WIKITEXT2_PPL]

@@ -44,15 +44,28 @@ RANGES = {
 
 def evaluate(lm, spec: EvalSpec, path: str | None = None) -> dict:
     """Measure a LoadedModel. Returns a flat, JSON-ready dict."""
-    from llmcompress.eval.perplexity import check_seq_len, perplexity
-    from llmcompress.eval.speed import measure_speed, peak_rss_mb, size_info
+    from llmcompress.eval.perplexity import check_seq_len
+    from llmcompress.eval.speed import peak_rss_mb, size_info
 
     check_seq_len(lm.model, spec.seq_len)
     t0 = time.perf_counter()
     row: dict = {"model": lm.source, "family": lm.adapter.family, **size_info(lm.model, path)}
+    row.update(measure(lm.model, lm.tokenizer, spec, model_name=lm.source))
+    row["peak_rss_mb"] = peak_rss_mb()
+    row["eval_seconds"] = time.perf_counter() - t0
+    return row
+
+
+def measure(model, tokenizer, spec: EvalSpec, *, model_name: str = "model") -> dict:
+    """The measurements of `spec` on a model in memory, the one evaluation path of `llmcompress eval` and of
+    the engines' post-run reports: `ppl/<data>` (with tokens scored, windows, tokens/s) per corpus, lm-eval
+    task metrics as `<task>/<metric>`, and the speed keys of `measure_speed`."""
+    from llmcompress.eval.perplexity import perplexity
+
+    row: dict = {}
     for data in spec.ppl:
         t_data = time.perf_counter()
-        r = perplexity(lm.model, lm.tokenizer, data, seq_len=spec.seq_len, max_tokens=spec.max_tokens, batch_size=spec.batch_size)
+        r = perplexity(model, tokenizer, data, seq_len=spec.seq_len, max_tokens=spec.max_tokens, batch_size=spec.batch_size)
         row[f"ppl/{data}"] = r["ppl"]
         row[f"ppl/{data}/tokens_scored"] = r["tokens_scored"]
         row[f"ppl/{data}/windows"] = r["windows"]
@@ -61,38 +74,38 @@ def evaluate(lm, spec: EvalSpec, path: str | None = None) -> dict:
         from llmcompress.eval.lmeval import run_lm_eval_full
 
         run = run_lm_eval_full(
-            lm.model, lm.tokenizer, spec.tasks, limit=spec.limit, include_path=spec.include_tasks, batch_size=spec.batch_size,
+            model, tokenizer, spec.tasks, limit=spec.limit, include_path=spec.include_tasks, batch_size=spec.batch_size,
             num_fewshot=spec.num_fewshot, apply_chat_template=spec.apply_chat_template, log_samples=spec.log_samples,
-            model_name=lm.source,
+            model_name=model_name,
         )
         for task, metrics in run.metrics.items():
             for k, v in metrics.items():
                 row[f"{task}/{k}"] = v
         row[LM_EVAL_KEY] = run  # lm-eval's own results; `write_report` saves them (popped before JSON)
     if spec.speed:
-        row.update(measure_speed(lm.model))
-    row["peak_rss_mb"] = peak_rss_mb()
-    row["eval_seconds"] = time.perf_counter() - t0
+        from llmcompress.eval.speed import measure_speed
+
+        row.update(measure_speed(model))
     return row
+
+
+def wikitext2_spec(eval_tokens: int, seq_len: int) -> EvalSpec:
+    """The engines' post-run perplexity: WikiText-2 raw test, the first `eval_tokens` tokens in windows of `seq_len`."""
+    return EvalSpec(ppl=["wikitext2"], seq_len=seq_len, max_tokens=eval_tokens, speed=False)
+
+
+WIKITEXT2_PPL = "ppl/wikitext2"  # the key `measure` gives WikiText-2 perplexity under
 
 
 _ORDER = ["layers", "parameters", "disk_bytes"]
 LM_EVAL_KEY = "_lm_eval"
 
 
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4f}" if abs(v) < 10 else f"{v:,.1f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
-
-
 def _cell(r: dict, k: str) -> str:
+    from llmcompress.table import fmt
+
     se = r.get(f"{k}_stderr")
-    return f"{_fmt(r.get(k))} ± {_fmt(se)}" if isinstance(se, (int, float)) and r.get(k) is not None else _fmt(r.get(k))
+    return f"{fmt(r.get(k), none='-')} ± {fmt(se, none='-')}" if isinstance(se, (int, float)) and r.get(k) is not None else fmt(r.get(k), none="-")
 
 
 def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -134,10 +147,9 @@ def to_markdown(rows: list[dict], spec: EvalSpec, title: str = "llmcompress eval
         lines += [f"lm-eval tasks: {', '.join(spec.tasks)} (n-shot {spec.num_fewshot if spec.num_fewshot is not None else 'task default'}, "
                   f"limit {spec.limit}, batch size {spec.batch_size}); ± is lm-eval's standard error; its own results JSON is "
                   "under `lm_eval/`", ""]
-    lines.append("| metric | " + " | ".join(str(r["model"]) for r in rows) + " |")
-    lines.append("|---|" + "---|" * len(rows))
-    for k, vals in zip(keys, cells):
-        lines.append(f"| {k} | " + " | ".join(vals) + " |")
+    from llmcompress.table import markdown_table
+
+    lines += markdown_table(["metric", *(str(r["model"]) for r in rows)], [[k, *vals] for k, vals in zip(keys, cells)])
     return "\n".join(lines) + "\n"
 
 

@@ -3,21 +3,36 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from llmcompress import spec
 from llmcompress.errors import UserError
 from llmcompress.io.load import DEFAULT_MODEL
 from llmcompress.spec import MAX_BATCH, MAX_COUNT, MAX_SEED, MAX_SEQ, MAX_TOKENS, Int, Real
 
-MODES = ("joint", "sequential", "uniform")
-COST_MODELS = ("lut", "analytic")
+
+class Mode(str, Enum):
+    JOINT = "joint"
+    SEQUENTIAL = "sequential"
+    UNIFORM = "uniform"
+
+
+class CostModel(str, Enum):
+    LUT = "lut"
+    ANALYTIC = "analytic"
+
+
+class QuantMethod(str, Enum):
+    RTN = "rtn"
+    GPTQ = "gptq"
+
+
+MODES = tuple(m.value for m in Mode)
+COST_MODELS = tuple(m.value for m in CostModel)
 EXPORT_FORMATS = ("gguf", "compressed-tensors")
-Mode = Literal["joint", "sequential", "uniform"]
 
 
 @dataclass
@@ -65,7 +80,7 @@ class NasConfig:
     """
 
     model: str = DEFAULT_MODEL
-    mode: Mode = "joint"
+    mode: str = Mode.JOINT.value
     baselines: list[str] = field(default_factory=lambda: ["uniform"])
     target_latency: float | None = None
     target_size_mb: float | None = None
@@ -75,7 +90,7 @@ class NasConfig:
     width_choices: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])
     allow_skip: bool = True
     min_keep_frac: float = 0.5
-    cost_model: Literal["lut", "analytic"] = "analytic"
+    cost_model: str = CostModel.ANALYTIC.value
     context_len: int = 256
     calib_source: str = "wikitext2"
     calib_split: str = "valid"
@@ -87,7 +102,7 @@ class NasConfig:
     tau_end: float = 0.3
     lam: float = 20.0
     hidden_mse: float = 0.0
-    quant_method: Literal["rtn", "gptq"] = "gptq"
+    quant_method: str = QuantMethod.GPTQ.value
     gptq_blocks: int = 128
     gptq_act_order: bool = True
     init_kappa: float = 2.0
@@ -116,9 +131,9 @@ class NasConfig:
 
     def fingerprint(self) -> str:
         """Hash of the fields that decide the search (a resume must match it)."""
-        skip = {"eval_tokens", "eval_seq_len", "measure_speed", "checkpoint_every", "baselines", "export", "save_dtype"}
-        d = {k: v for k, v in self.to_dict().items() if k not in skip}
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        from llmcompress.io.rundir import fingerprint
+
+        return fingerprint(self.to_dict(), skip=("eval_tokens", "eval_seq_len", "measure_speed", "checkpoint_every", "baselines", "export", "save_dtype"))
 
     def validate(self) -> None:
         """Raise UserError on values that are wrong whatever the model (model checks: space.py)."""
@@ -141,7 +156,7 @@ class NasConfig:
             raise UserError("no width choices given", "e.g. width_choices: [0.25, 0.5, 0.75, 1.0]")
         if self.cost_model not in COST_MODELS:
             raise UserError(f"unknown cost model {self.cost_model!r}", f"use one of {', '.join(COST_MODELS)}")
-        if self.quant_method not in ("rtn", "gptq"):
+        if self.quant_method not in {m.value for m in QuantMethod}:
             raise UserError(f"unknown quantization method {self.quant_method!r}", "use rtn or gptq")
         if self.train_tokens < self.seq_len * self.batch_size:
             raise UserError(f"--train-tokens must be at least {self.seq_len * self.batch_size}", "one batch at least")

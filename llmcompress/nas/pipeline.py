@@ -11,6 +11,8 @@ from llmcompress.nas.config import NasConfig
 
 log = logging.getLogger("llmcompress")
 
+STALE = ("search_log.jsonl", "lut.json", "search_state_*.pt", "refine_*.json")  # removed by --overwrite (io/rundir.py)
+
 
 @dataclass
 class NasRun:
@@ -70,9 +72,10 @@ def _cost_models(model, space, cfg, out: Path, resume: bool):
 
 def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool = False) -> NasRun:
     """Run the search of `cfg.mode` (+ `cfg.baselines`) and write everything under `out`."""
-    from llmcompress.io.atomic import check_out_dir, write_json
+    from llmcompress.io.atomic import write_json
     from llmcompress.io.checkpoint import build_manifest
     from llmcompress.io.load import load_model
+    from llmcompress.io.rundir import claim
     from llmcompress.nas import export as E
     from llmcompress.nas import search as S
     from llmcompress.nas.report import write_report
@@ -81,11 +84,7 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
 
     out = Path(out)
     cfg.validate()
-    check_out_dir(out, overwrite, resume)
-    out.mkdir(parents=True, exist_ok=True)
-    if overwrite and not resume:
-        for p in [out / "search_log.jsonl", out / "lut.json", *out.glob("search_state_*.pt"), *out.glob("refine_*.json")]:
-            p.unlink(missing_ok=True)
+    claim(out, overwrite=overwrite, resume=resume, stale=STALE).start()
     seed_everything(cfg.seed)
     lm = load_model(cfg.model)
     teacher, tok = lm.model, lm.tokenizer

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-def _fmt(v, spec=".3f"):
-    return "—" if v is None else format(v, spec)
+from llmcompress.table import fmt, markdown_table
 
 
 def render(rows: list[dict], cfg, lut: dict | None, notes: list[str]) -> str:
@@ -20,15 +18,12 @@ def render(rows: list[dict], cfg, lut: dict | None, notes: list[str]) -> str:
         + "; the uniform baseline by RTN"
         + (" (and, to separate the two effects, also by GPTQ)." if getattr(cfg, "quant_method", "rtn") == "gptq" else "."),
         "",
-        "| result | layers | MLP width (mean) | avg bits | size MB | modeled latency | ppl | prefill tok/s | decode tok/s |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['name']} | {r.get('layers', '—')} | {_fmt(r.get('mean_width'), '.0f')} | {_fmt(r.get('avg_bits'), '.2f')} | "
-            f"{_fmt(r.get('size_mb'), '.1f')} | {_fmt(r.get('modeled_latency'))} | {_fmt(r.get('ppl'), '.2f')} | "
-            f"{_fmt(r.get('prefill_tokens_per_s'), '.0f')} | {_fmt(r.get('decode_tokens_per_s'), '.1f')} |"
-        )
+    lines += markdown_table(
+        ["result", "layers", "MLP width (mean)", "avg bits", "size MB", "modeled latency", "ppl", "prefill tok/s", "decode tok/s"],
+        [[r["name"], r.get("layers", "—"), fmt(r.get("mean_width"), ".0f"), fmt(r.get("avg_bits"), ".2f"), fmt(r.get("size_mb"), ".1f"),
+          fmt(r.get("modeled_latency"), ".3f"), fmt(r.get("ppl"), ".2f"), fmt(r.get("prefill_tokens_per_s"), ".0f"),
+          fmt(r.get("decode_tokens_per_s"), ".1f")] for r in rows])
     lines += ["", "Size MB is the cost model's size of the quantized weights (ints + float16 scales + zeros; embeddings and norms "
               "in float16); hf/ holds the dequantized weights, for evaluation; gguf/ and compressed-tensors/ (--export) are the "
               "deployable files.",
