@@ -38,12 +38,149 @@ def evals_per_second(ev, cands, use_prefix: bool, use_reference: bool = True) ->
     return len(cands) / secs
 
 
+def _timed(ev, cands, split="calib"):
+    """(evaluations per second, fitness values, layers run per block per evaluation) on `cands`, memo cleared."""
+    ev.memo.clear()
+    ev.partial.clear()
+    ev._sim_memo.clear()
+    ev.prefix.clear()
+    ev.stats.layers_run = 0
+    t0 = time.perf_counter()
+    fits = [ev.evaluate(c, split).fitness for c in cands]
+    secs = time.perf_counter() - t0
+    n_blocks = ev.refs[split].n_blocks
+    return len(cands) / secs, fits, ev.stats.layers_run / n_blocks / len(cands)
+
+
+def speed_main(args) -> None:
+    """--speed: evaluations per second of the fitness on a fixed set of candidates, one speed-up at a time."""
+    import random
+    import tempfile
+
+    import numpy as np
+    import torch
+    from scipy.stats import kendalltau
+
+    from llmcompress.collapse import baselines as B
+    from llmcompress.collapse.config import CollapseConfig
+    from llmcompress.collapse.fitness import PrefixStates
+    from llmcompress.collapse.pipeline import prepare
+    from llmcompress.collapse.refine import swap_neighbours
+    from llmcompress.collapse.search import make_space, run_search
+    from llmcompress.io.load import load_model
+
+    load0 = os.getloadavg()[0]
+    lm = load_model("smollm2-135m")
+    base = CollapseConfig()
+    cfg = dataclasses.replace(base, calib_tokens=args.calib_tokens or base.calib_tokens, val_tokens=base.seq_len,
+                              population=args.population or base.population, generations=args.generations or base.generations,
+                              min_layers=min(BUDGETS), racing=False)
+    # the fixed candidates: what a search of the default spec evaluates, in its order (found with a one-block
+    # proxy fitness, seeded as the command seeds it), and a walk's neighbours at 22 layers
+    proxy = prepare(dataclasses.replace(cfg, calib_tokens=cfg.seq_len), lm)
+    scores = B.shortgpt_scores(proxy)
+    seeds = [B.shortgpt(proxy, n, scores) for n in BUDGETS]
+    laco = B.laco(proxy, min(BUDGETS), threshold=cfg.laco_threshold, n_blocks=cfg.laco_blocks)
+    seeds += [laco[n] for n in BUDGETS if n in laco]
+    for c in seeds:
+        proxy.evaluate(c)
+    with tempfile.TemporaryDirectory() as d:
+        run_search(cfg, proxy, seeds, Path(d), model_id="smollm2-135m")
+    search_set = [c for c in proxy.archive.values() if c.first_changed() is not None][: args.speed_sample]
+    space = make_space(cfg, proxy.n_layers, seeds)
+    neigh = [space.decode(y) for y in swap_neighbours(space, space.encode(seeds[1]))]
+    walk_set = [seeds[1]] + random.Random(0).sample(neigh, min(args.speed_sample // 2, len(neigh)))
+    proxy.close()
+    del proxy
+
+    ev = prepare(cfg, lm)
+    threads = torch.get_num_threads()
+    rows, fits = [], {}
+    cpu_bf16 = bool(getattr(torch.backends, "mkldnn", None) and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    modes = [
+        ("cached path (original's prefix, fp32; before)", dict(prefix=0.0, dtype="float32", batch=cfg.batch_blocks)),
+        ("(e) batch 8 blocks per forward", dict(prefix=0.0, dtype="float32", batch=2 * cfg.batch_blocks)),
+        ("(b) + candidates' prefix states (fp32)", dict(prefix=cfg.prefix_cache_gb, dtype="float32", batch=cfg.batch_blocks)),
+        ("(a) + bf16 layers, KL fp32", dict(prefix=cfg.prefix_cache_gb, dtype="bfloat16", batch=cfg.batch_blocks)),
+    ]
+    for name, m in modes:
+        ev.prefix = PrefixStates(m["prefix"] * 2**30)
+        ev.compute_dtype, ev.batch = m["dtype"], m["batch"]
+        res = {}
+        for label, cands in (("search", search_set), ("walk", walk_set)):
+            res[label] = _timed(ev, cands)
+            fits[(name, label)] = res[label][1]
+            print(name, label, f"{res[label][0]:.3f}/s", flush=True)
+        rows.append((name, res))
+    ev.prefix = PrefixStates(cfg.prefix_cache_gb * 2**30)
+    ev.compute_dtype, ev.batch = "float32", cfg.batch_blocks
+    before = modes[0][0]
+    lines = [
+        "# Collapse fitness speed (smollm2-135m, bench/bench_collapse.py --speed)",
+        "",
+        f"Default spec, {cfg.calib_tokens} calibration tokens ({ev.refs['calib'].n_blocks} blocks of {cfg.seq_len}), "
+        f"kl_stride {cfg.kl_stride}, top-{cfg.kl_topk}; {torch.get_num_threads()} torch threads on {os.cpu_count()} CPU cores "
+        f"(shared machine, load average {load0:.1f} at start; bf16 matmul support: {cpu_bf16}); "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Candidates: the first {len(search_set)} a default --pareto search "
+        f"evaluates (seeded with ShortGPT and LaCo at {list(BUDGETS)}; found with a one-block proxy fitness), and ShortGPT's 22-layer "
+        f"drop set with {len(walk_set) - 1} of its swap neighbours (a walk step). Every mode starts with empty caches.",
+        "",
+        "| mode | search evals/s | speed-up | walk evals/s | speed-up | layers run per block (search / walk) | fitness vs before |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, res in rows:
+        diffs = []
+        for label in ("search", "walk"):
+            a, b = np.array(fits[(before, label)]), np.array(fits[(name, label)])
+            if np.array_equal(a, b):
+                diffs.append(f"{label}: bit-identical")
+            else:
+                tau = kendalltau(a, b).statistic
+                diffs.append(f"{label}: max |diff| {np.max(np.abs(a - b)):.2e} (rel {np.max(np.abs(a - b) / np.abs(a)):.1e}), Kendall tau {tau:.3f}")
+        s0, w0 = rows[0][1]["search"][0], rows[0][1]["walk"][0]
+        lines.append(f"| {name} | {res['search'][0]:.3f} | {res['search'][0] / s0:.2f}x | {res['walk'][0]:.3f} | {res['walk'][0] / w0:.2f}x | "
+                     f"{res['search'][2]:.1f} / {res['walk'][2]:.1f} | {'; '.join(diffs)} |")
+
+    # (d) racing, in the search itself: the same search with and without it (fronts must be identical)
+    race = []
+    for pareto, label in ((True, "--pareto"), (False, "--target-layers 22")):
+        runs = {}
+        for racing in (False, True):
+            rcfg = dataclasses.replace(cfg, racing=racing, pareto=pareto, target_layers=None if pareto else 22,
+                                       min_layers=min(BUDGETS) if pareto else None)
+            ev.memo.clear()
+            ev.partial.clear()
+            ev.archive.clear()
+            ev.stats = type(ev.stats)()
+            ms = seeds if pareto else [seeds[1]]
+            t0 = time.perf_counter()
+            for c in ms:
+                ev.evaluate(c)
+            with tempfile.TemporaryDirectory() as d:
+                hist = run_search(rcfg, ev, ms, Path(d), model_id="smollm2-135m")
+            secs = time.perf_counter() - t0
+            front = [(c.key, f.fitness) for c, f, _ in hist[-1].front]
+            runs[racing] = (secs, ev.stats.evaluations, ev.stats.pruned, front, ev.stats.layers_run)
+            print(label, "racing" if racing else "exhaustive", runs[racing][:3], flush=True)
+        (s0, n0, _, f0, l0), (s1, n1, p1, f1, l1) = runs[False], runs[True]
+        race.append(f"| {label} | {n0} | {s0:.0f} s | {p1} of {n1} pruned | {s1:.0f} s | {s0 / s1:.2f}x (layers run {l0 / max(l1, 1):.2f}x fewer) | "
+                    f"{'identical' if f0 == f1 else 'DIFFERENT'} |")
+    lines += ["", f"(d) Racing in the search (population {cfg.population}, {cfg.generations} generations, fp32 + prefix states, "
+              "same candidates evaluated in both runs):", "",
+              "| search | evaluations | exhaustive | racing | search time | speed-up | final front |", "|---|---:|---:|---:|---:|---:|---|", *race]
+    ev.close()
+    torch.set_num_threads(threads)
+    text = "\n".join(lines) + "\n"
+    args.speed_out.write_text(text)
+    print(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--calib-tokens", type=int, default=4096)
-    ap.add_argument("--val-tokens", type=int, default=2048)
-    ap.add_argument("--population", type=int, default=8)
-    ap.add_argument("--generations", type=int, default=4)
+    ap.add_argument("--calib-tokens", type=int, default=None, help="default: the library's default spec (CollapseConfig)")
+    ap.add_argument("--val-tokens", type=int, default=None)
+    ap.add_argument("--population", type=int, default=None)
+    ap.add_argument("--generations", type=int, default=None)
     ap.add_argument("--refine-steps", type=int, default=4, help="refinement moves per phase and budget after each search (0: off)")
     ap.add_argument("--refine-screen-blocks", type=int, default=4)
     ap.add_argument("--refine-top", type=int, default=4)
@@ -51,9 +188,22 @@ def main() -> None:
     ap.add_argument("--tune-lr", type=float, default=0.05)
     ap.add_argument("--ppl-tokens", type=int, default=32768)
     ap.add_argument("--shakespeare-tokens", type=int, default=8192)
-    ap.add_argument("--speed-sample", type=int, default=8, help="gelaco candidates timed with and without caches")
+    ap.add_argument("--speed-sample", type=int, default=None, help="candidates timed (default 8; --speed: 24)")
     ap.add_argument("--out", type=Path, default=Path("bench/RESULTS-collapse.md"))
+    ap.add_argument("--speed", action="store_true", help="only measure evaluations/s, one speed-up at a time (bench/RESULTS-collapse-speed.md)")
+    ap.add_argument("--speed-out", type=Path, default=Path("bench/RESULTS-collapse-speed.md"))
     args = ap.parse_args()
+    if args.speed:
+        args.speed_sample = args.speed_sample or 24
+        return speed_main(args)
+    from llmcompress.collapse.config import CollapseConfig as _C
+
+    d = _C()
+    args.calib_tokens = args.calib_tokens or d.calib_tokens
+    args.val_tokens = args.val_tokens or d.val_tokens
+    args.population = args.population or d.population
+    args.generations = args.generations or d.generations
+    args.speed_sample = args.speed_sample or 8
 
     import tempfile
 

@@ -82,19 +82,27 @@ def collapse_command(
             raise UserError("--resume needs the --out directory of the interrupted run", "pass --out DIR")
         out = Path("runs") / f"collapse-{time.strftime('%Y%m%d-%H%M%S')}"
 
+    import contextlib
+    import os
+
     from llmcompress.io.atomic import check_out_dir, removed_if_left_empty
     from llmcompress.io.preflight import check_run_outputs
 
-    check_out_dir(out, overwrite=overwrite, resume=resume)
-    saves = 4 if cfg.save == "all" else len(cfg.save_counts() or [cfg.save])  # each checkpoint is smaller than the model
-    check_run_outputs(out, [cfg.model], out_factor=saves)
+    main = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 owns --out; the others write nothing
+    if main:
+        check_out_dir(out, overwrite=overwrite, resume=resume)
+        saves = 4 if cfg.save == "all" else len(cfg.save_counts() or [cfg.save])  # each checkpoint is smaller than the model
+        check_run_outputs(out, [cfg.model], out_factor=saves)
     from llmcompress.cli._errors import note_output
     from llmcompress.collapse.pipeline import run_collapse
 
-    note_output(out)
+    if main:
+        note_output(out)
 
-    with removed_if_left_empty(out):
+    with removed_if_left_empty(out) if main else contextlib.nullcontext():
         result = run_collapse(cfg, out, overwrite=overwrite, resume=resume, device=device)
+    if not main:
+        return
     typer.echo(f"wrote {result.out_dir}: {len(result.front)} solution(s) on the front, {len(result.saved)} checkpoint(s)")
     for path in result.saved:
         typer.echo(f"  {path}")

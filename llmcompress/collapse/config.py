@@ -50,6 +50,11 @@ class CollapseConfig:
         baselines: baselines computed (and seeded into the population) in a gelaco/drop-search run.
         laco_threshold: LaCo's representation-similarity acceptance threshold; laco_blocks: its data size.
         max_cache_gb: memory budget for cached boundary states (beyond it they go to disk).
+        prefix_cache_gb: memory for candidates' own boundary states, so that a candidate sharing a prefix of
+            groups with one scored before starts at the deepest shared boundary (exact; 0 turns it off).
+        racing: stop scoring an offspring once its KL's lower bound keeps it out of the survivors (exact).
+        fitness_dtype: float32 (exact) or bfloat16 (candidate layers under autocast, KL in fp32; faster on
+            CPUs with bf16 matmuls and on GPUs, fitness within bf16 tolerance).
         batch_blocks: calibration blocks per forward.
         save: which solutions get checkpoints: knee | all | comma-separated layer counts.
         eval_tokens / eval_seq_len: WikiText-2 test tokens for the report's perplexity (0 skips it).
@@ -93,6 +98,9 @@ class CollapseConfig:
     laco_threshold: float = 0.95
     laco_blocks: int = 1
     max_cache_gb: float = 2.0
+    prefix_cache_gb: float = 1.0
+    racing: bool = True
+    fitness_dtype: str = "float32"
     batch_blocks: int = 4
     save: str = "knee"
     eval_tokens: int = 2048
@@ -106,7 +114,7 @@ class CollapseConfig:
 
     def fingerprint(self) -> str:
         """Hash of the fields that decide the search result (a resume must match it)."""
-        skip = {"save", "eval_tokens", "eval_seq_len", "piqa_limit", "max_cache_gb", "generations", "save_dtype"}
+        skip = {"save", "eval_tokens", "eval_seq_len", "piqa_limit", "max_cache_gb", "generations", "save_dtype", "prefix_cache_gb", "racing"}
         d = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -116,6 +124,8 @@ class CollapseConfig:
             raise UserError(f"unknown method {self.method!r}", f"use one of {', '.join(METHODS)}")
         spec.check_ranges(self, RANGES)
         self.save_counts()
+        if self.fitness_dtype not in ("float32", "bfloat16"):
+            raise UserError(f"fitness_dtype {self.fitness_dtype!r} is not float32 or bfloat16", "use fitness_dtype: float32 (exact) or bfloat16")
         if self.save_dtype is not None:
             from llmcompress.io.dtypes import torch_dtype
 
@@ -206,6 +216,7 @@ RANGES = {
     "laco_threshold": Real("laco_threshold", -1.0, 1.0),
     "laco_blocks": Int("laco_blocks", 1, MAX_COUNT),
     "max_cache_gb": Real("--max-cache-gb", 0.0, 1e6, note="0 keeps every cached state on disk"),
+    "prefix_cache_gb": Real("prefix_cache_gb", 0.0, 1e6, note="0 turns the candidates' prefix states off"),
     "batch_blocks": Int("batch_blocks", 1, MAX_BATCH),
     "eval_tokens": Int("--eval-tokens", 0, MAX_TOKENS, note="0 skips the report's perplexity"),
     "eval_seq_len": Int("eval_seq_len", 2, MAX_SEQ),

@@ -41,7 +41,8 @@ def prepare(cfg: CollapseConfig, lm, *, calib_blocks=None, val_blocks=None, cach
     common = dict(topk=cfg.kl_topk, stride=cfg.kl_stride, batch=cfg.batch_blocks, max_bytes=max_bytes, cache_dir=cache_dir)
     calib = build_reference(lm.model, calib_blocks, label=labels.get("calib", "given"), **common)
     val = build_reference(lm.model, val_blocks, label=labels.get("val", "given"), **common)
-    ev = Evaluator(lm.model, calib, val, w_kl=cfg.w_kl, w_sim=cfg.w_sim, sim_blocks=cfg.sim_blocks, batch=cfg.batch_blocks)
+    ev = Evaluator(lm.model, calib, val, w_kl=cfg.w_kl, w_sim=cfg.w_sim, sim_blocks=cfg.sim_blocks, batch=cfg.batch_blocks,
+                   prefix_bytes=cfg.prefix_cache_gb * 2**30, compute_dtype=cfg.fitness_dtype)
     return ev
 
 
@@ -78,6 +79,24 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
         stop_after: stop the search after this generation (simulates an interruption).
         device: where the model, its cached states and every candidate run ("cpu", "cuda[:N]", "auto").
     """
+    from llmcompress.collapse.parallel import from_env
+    from llmcompress.runtime import resolve_device
+
+    out_dir = Path(out_dir)
+    cfg.validate()
+    dev, _ = resolve_device(device)
+    info = from_env(dev.type)  # under torchrun: each rank scores a slice of every population; rank 0 writes
+    try:
+        return _run_collapse(cfg, out_dir, overwrite, resume, lm, stop_after, dev, info)
+    finally:
+        if info.active:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()  # no barrier: the other ranks stop after the search, rank 0 goes on
+
+
+def _run_collapse(cfg, out_dir, overwrite, resume, lm, stop_after, dev, info):
     from llmcompress.collapse import export as E
     from llmcompress.collapse.search import (
         load_state,
@@ -89,12 +108,10 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
     from llmcompress.io.atomic import check_out_dir, write_json
     from llmcompress.io.load import load_model
     from llmcompress.progress import bar
-    from llmcompress.runtime import resolve_device, seed_everything
+    from llmcompress.runtime import seed_everything
 
-    out_dir = Path(out_dir)
-    cfg.validate()
-    dev, _ = resolve_device(device)
-    check_out_dir(out_dir, overwrite=overwrite, resume=resume)
+    if info.is_main:
+        check_out_dir(out_dir, overwrite=overwrite, resume=resume)
     lm = lm or load_model(cfg.model, device=dev)
     L = lm.model.config.num_hidden_layers
     cfg.validate(L)
@@ -107,18 +124,21 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
         )
     if resume:
         load_state(out_dir, cfg, cfg.model)  # wrong model/config: one-line error before any work
-    elif overwrite and out_dir.exists():
+    elif overwrite and out_dir.exists() and info.is_main:
         for stale in ("search_state.json", "search_state.pkl", "search_log.jsonl", "refine_state.json", "tune_state.json"):
             (out_dir / stale).unlink(missing_ok=True)
     seed_everything(cfg.seed)
-    out_dir.mkdir(parents=True, exist_ok=True)
     from llmcompress.collapse.fitness import STATES_PREFIX
 
-    for stale in out_dir.glob(STATES_PREFIX + "*"):  # states spilled to disk by a killed run: never reused
-        shutil.rmtree(stale, ignore_errors=True)
-    evaluation = _evaluation_sources(cfg)
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in out_dir.glob(STATES_PREFIX + "*"):  # states spilled to disk by a killed run: never reused
+            shutil.rmtree(stale, ignore_errors=True)
+    info.barrier()  # the other ranks spill their states into out_dir too (each its own temp dir)
+    evaluation = _evaluation_sources(cfg) if info.is_main else None
     ev = prepare(cfg, lm, cache_dir=out_dir)  # reads the calibration data: bad data fails before anything is written
-    write_json(out_dir / "config.json", cfg.to_dict())
+    if info.is_main:
+        write_json(out_dir / "config.json", cfg.to_dict())
     try:
         return _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar,
                     evaluation)
@@ -158,6 +178,7 @@ def _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar):
     `--save` chooses; each refined solution replaces its pick."""
     from llmcompress.collapse import tune as T
     from llmcompress.collapse.export import solution_record
+    from llmcompress.collapse.parallel import is_main
     from llmcompress.collapse.refine import STATE_FILE, refine
     from llmcompress.collapse.search import make_space
 
@@ -182,7 +203,7 @@ def _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar):
 
                 best = refine(ev, space, c, steps=cfg.refine_steps, screen_blocks=cfg.refine_screen_blocks, top=cfg.refine_top,
                               state_path=out_dir / STATE_FILE, on_step=tick).best
-        if _tunes(cfg) and best.first_changed() is not None:
+        if _tunes(cfg) and best.first_changed() is not None and is_main():  # not a collective step: rank 0 alone
             with bar(f"tune {c.n_layers} layers", total=cfg.tune_steps) as b:
                 tuned = T.tune(ev, best, steps=cfg.tune_steps, lr=cfg.tune_lr, per_kind=cfg.alpha_per_kind,
                                state_path=out_dir / T.STATE_FILE, on_step=lambda rec: b.advance(info=f"KL {rec['kl_batch']:.3f}"))
@@ -226,8 +247,9 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
             seeds = [c for c in seeds if all(a == 0.0 for g in c.alphas for t in g for a in t)]
         # every seed enters the evaluator's archive, even those beyond the population size, so the
         # selection below can never pick worse (on calibration) than a baseline at the same layer count
-        for c in seeds:
-            ev.evaluate(c)
+        from llmcompress.collapse.parallel import evaluate_many, world
+
+        evaluate_many(ev, seeds)
         with bar(f"collapse {cfg.method}", total=cfg.generations + 1) as b:
             def tick(g):
                 rec = g.record
@@ -239,6 +261,8 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
         picks = select_by_validation(ev, lo, hi)
         if (cfg.refine_steps > 0 or _tunes(cfg)) and picks:
             picks, refined = _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar)
+        if not world().is_main:  # the other ranks' share ends with the last collective step
+            return CollapseResult(out_dir, [], [])
     else:
         picks = [(c, ev.evaluate(c), ev.evaluate(c, "val")) for n, c in sorted(base[cfg.method].items()) if lo <= n <= hi]
     search_s = time.perf_counter() - t0

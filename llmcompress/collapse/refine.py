@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from llmcompress.collapse.fitness import Evaluator, Reference, StateStore
+from llmcompress.collapse.parallel import evaluate_many, is_main
 from llmcompress.collapse.space import Candidate, Space
 
 SCREEN = "screen"
@@ -148,8 +149,8 @@ def load_entry(path: Path | None, key: str) -> dict | None:
 
 
 def save_entry(path: Path | None, key: str, entry: dict) -> None:
-    """Set entry `key` of a JSON state file, written atomically (None: keep nothing)."""
-    if path is None:
+    """Set entry `key` of a JSON state file, written atomically (None: keep nothing; under torchrun, rank 0 writes)."""
+    if path is None or not is_main():
         return
     from llmcompress.io.atomic import write_json
 
@@ -207,8 +208,10 @@ def refine(
             if not neigh:
                 local_opt = True
                 break
-            screened = sorted((ev.evaluate(n, SCREEN).fitness, k) for k, n in enumerate(neigh))
-            full = [(ev.evaluate(neigh[k]).fitness, k) for _, k in screened[:top]]
+            ev.evaluate(inc, SCREEN)  # its prefix states: most neighbours share a long prefix with it
+            screened = sorted((f.fitness, k) for k, f in enumerate(evaluate_many(ev, neigh, SCREEN)))
+            tops = [k for _, k in screened[:top]]
+            full = [(f.fitness, k) for k, f in zip(tops, evaluate_many(ev, [neigh[k] for k in tops]))]
             best_f, best_k = min(full)
             inc_f = ev.evaluate(inc).fitness
             rec = {"layers": inc.n_layers, "phase": phases[phase], "step": len(trajectory), "neighbours": len(neigh),

@@ -1,0 +1,190 @@
+"""The collapse fitness speed-ups are exact: candidates' prefix states, racing in the search, torchrun population
+evaluation (2 gloo processes give the 1-process front bit for bit); bf16 stays within tolerance."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import tiny_collapse_evaluator
+
+from llmcompress.collapse.baselines import shortgpt
+from llmcompress.collapse.config import CollapseConfig
+from llmcompress.collapse.search import run_search, select_by_validation, survival_rule
+from llmcompress.collapse.space import Candidate, Space
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _family(n=12, seed=0):
+    """Random 8-layer candidates, each followed by children that keep its first groups and change later ones."""
+    sp = Space(8, (0.0, 0.5, 1.0), lo=4, hi=7, max_group=3)
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        x = sp.repair_one(sp.random_genome(rng))
+        out.append(sp.decode(x))
+        for gene in (5, 6, 7 + 6 * sp.n_kinds + 1, 7 + 7 * sp.n_kinds):  # late cut bits, late coefficients
+            y = x.copy()
+            y[gene] = (y[gene] + 1) % (2 if gene < 7 else 3)
+            out.append(sp.decode(sp.repair_one(y)))
+    return out
+
+
+@pytest.mark.parametrize("budget", [1e9, 3 * 6 * 24 * 64 * 4])  # room for all states / for three (evictions)
+def test_prefix_states_give_the_fitness_of_a_full_evaluation(budget):
+    """A candidate started from another candidate's cached boundary state scores exactly (bit for bit) what
+    an evaluation from the original's prefix scores, on calibration and validation."""
+    cands = _family()
+    cached = tiny_collapse_evaluator()
+    cached.prefix.max_bytes = budget
+    plain = tiny_collapse_evaluator()
+    for c in cands:
+        for split in ("calib", "val"):
+            assert cached.evaluate(c, split).fitness == plain.evaluate(c, split).fitness, (c.describe(), split)
+    assert cached.stats.prefix_hits > 5  # the cache was used (else this test checks nothing)
+    assert cached.stats.layers_run < plain.stats.layers_run
+    assert cached.prefix.nbytes <= budget
+
+
+def test_prefix_state_keys_separate_coefficients_and_splits():
+    """Two candidates with the same groups but other merge coefficients never share a state."""
+    ev = tiny_collapse_evaluator()
+    ev.prefix.max_bytes = 1e9
+    sp = Space(8, (0.0, 0.5, 1.0), lo=6, hi=6, max_group=3)
+    a = Candidate.from_keep(8, {2, 5})
+    x = sp.encode(a)
+    x[7 + 2 * sp.n_kinds : 7 + 3 * sp.n_kinds] = 1  # layer 2 merged at 0.5 instead of dropped
+    b = sp.decode(x)
+    assert a.groups == b.groups and a.alphas != b.alphas
+    fa, fb = ev.evaluate(a).fitness, ev.evaluate(b).fitness
+    ref = tiny_collapse_evaluator()
+    assert (fa, fb) == (ref.evaluate(a).fitness, ref.evaluate(b).fitness) and fa != fb
+
+
+def test_bf16_fitness_within_tolerance():
+    ev32, ev16 = tiny_collapse_evaluator(), tiny_collapse_evaluator()
+    ev16.compute_dtype = "bfloat16"
+    cands = _family(4)
+    a = np.array([ev32.evaluate(c).kl for c in cands])
+    b = np.array([ev16.evaluate(c).kl for c in cands])
+    assert not np.array_equal(a, b)  # bf16 did run
+    np.testing.assert_allclose(b, a, rtol=0.1, atol=0.02)
+
+
+def test_survival_rule_counts_dominating_parents():
+    F = np.array([[5, 1.0], [5, 2.0], [6, 0.5], [7, 3.0]])
+    rule = survival_rule(F, 3, pareto=True)
+    six, five = Candidate.from_keep(8, {2, 5}), Candidate.from_keep(8, {2, 5, 6})
+    assert rule(six)(2.5)  # 3 parents with <= 6 layers are surely better: never survives
+    assert not rule(six)(2.0)  # (5, 2.0) is not surely better than a candidate of fitness >= 2.0
+    assert not rule(five)(2.5)  # only 2 parents with <= 5 layers
+    single = survival_rule(F[:, 1:], 3, pareto=False)
+    assert single(five)(2.01) and not single(five)(2.0)
+    assert survival_rule(F[:2], 3, pareto=True) is None  # fewer parents than survivors: no racing
+
+
+def _search(ev, tmp, pareto, racing, seed=0):
+    # a narrow front (6..7 layers) so that several parents share a layer count and offspring can be pruned
+    cfg = CollapseConfig(population=5, generations=3, seed=seed, min_layers=6, sim_blocks=1, racing=racing, pareto=pareto,
+                         target_layers=None if pareto else 5)
+    seeds = [shortgpt(ev, n) for n in ((6, 7) if pareto else (5,))]
+    for c in seeds:
+        ev.evaluate(c)
+    hist = run_search(cfg, ev, seeds, tmp, model_id="tiny")
+    lo = 6 if pareto else 5
+    picks = select_by_validation(ev, lo, 7 if pareto else 5)
+    return [[(c.key, f.fitness) for c, f, _ in g.front] for g in hist], [(c.key, f.fitness, v.fitness) for c, f, v in picks]
+
+
+@pytest.mark.parametrize("pareto", [True, False])
+def test_racing_changes_no_survivor_and_no_pick(tmp_path, pareto):
+    """Racing stops offspring that cannot survive; every generation's front and the picks after selection
+    equal those of the exhaustive search (several seeds; the test fails if nothing was ever pruned)."""
+    pruned = 0
+    for seed in range(3):
+        full = tiny_collapse_evaluator(data_seed=seed)
+        full.batch = 1  # a bound after every block
+        race = tiny_collapse_evaluator(data_seed=seed)
+        race.batch = 1
+        a = _search(full, tmp_path / f"a{seed}", pareto, racing=False, seed=seed)
+        b = _search(race, tmp_path / f"b{seed}", pareto, racing=True, seed=seed)
+        assert a == b
+        assert full.stats.pruned == 0
+        print("pruned", pareto, seed, race.stats.pruned, race.stats.evaluations)
+        pruned += race.stats.pruned
+        for key, fit in race.memo.items():  # a finished evaluation after pruning equals an uninterrupted one
+            if key in full.memo:
+                assert fit.fitness == full.memo[key].fitness
+    assert pruned > 0
+
+
+def test_pruned_candidate_finishes_with_the_uninterrupted_value():
+    ev, ref = tiny_collapse_evaluator(), tiny_collapse_evaluator()
+    ev.batch = ref.batch = 1
+    c = Candidate.from_keep(8, {2, 3, 5})
+    part = ev.evaluate(c, prune=lambda lb: True)
+    assert part.partial and ev.known(c) is None and c.key in ev.calib_keys()
+    full = ev.evaluate(c)
+    assert not full.partial and full.fitness == ref.evaluate(c).fitness
+    assert part.fitness <= full.fitness and ev.lower_bound(c) == full.fitness
+
+
+WORKER = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)
+import torch.distributed as dist
+dist.init_process_group("gloo")
+from conftest import tiny_collapse_evaluator
+from llmcompress.collapse.baselines import shortgpt
+from llmcompress.collapse.config import CollapseConfig
+from llmcompress.collapse.refine import refine
+from llmcompress.collapse.search import make_space, run_search, select_by_validation
+
+ev = tiny_collapse_evaluator(data_seed=1)
+ev.batch = 1
+ev.prefix.max_bytes = 1e9
+cfg = CollapseConfig(population=6, generations=3, seed=2, min_layers=4, sim_blocks=1)
+seeds = [shortgpt(ev, n) for n in (5, 6)]
+for c in seeds:
+    ev.evaluate(c)
+hist = run_search(cfg, ev, seeds, {out!r}, model_id="tiny")
+picks = select_by_validation(ev, 4, 7)
+walk = refine(ev, make_space(cfg, 8, seeds), picks[0][0], steps=2, screen_blocks=2, top=2)
+res = dict(fronts=[[[repr(c.key), f.fitness, v.fitness] for c, f, v in g.front] for g in hist],
+           picks=[[repr(c.key), f.fitness, v.fitness] for c, f, v in picks],
+           walk=[repr(c.key) for c in walk.trajectory], best=repr(walk.best.key),
+           evaluations=[g.record["evaluations"] for g in hist], rank=dist.get_rank(), mine=ev.stats.evaluations)
+with open({out!r} + f"/result{{dist.get_rank()}}.json", "w") as f:
+    json.dump(res, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.dist
+def test_two_gloo_processes_give_the_single_process_front(tmp_path):
+    """Under torchrun each rank scores a slice of every population (and of a walk's neighbours); the fronts,
+    the picks and the walk equal the single-process run bit for bit, and the work was really split."""
+    tests = str(Path(__file__).resolve().parent)
+    script = tmp_path / "worker.py"
+    for name, world in (("one", 1), ("two", 2)):
+        (tmp_path / name).mkdir()
+        script.write_text(WORKER.format(tests=tests, out=str(tmp_path / name)))
+        env = dict(os.environ, OMP_NUM_THREADS="1", LLMCOMPRESS_PROGRESS="0")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), str(script)]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+    one = json.loads((tmp_path / "one" / "result0.json").read_text())
+    two = [json.loads((tmp_path / "two" / f"result{k}.json").read_text()) for k in (0, 1)]
+    for res in two:
+        for k in ("fronts", "picks", "walk", "best", "evaluations"):
+            assert res[k] == one[k], k
+    assert max(r["mine"] for r in two) < one["mine"]  # each rank scored only part of the candidates
+    assert (tmp_path / "two" / "search_state.json").is_file()
