@@ -76,12 +76,11 @@ def speed_main(args) -> None:
                               population=args.population or base.population, generations=args.generations or base.generations,
                               min_layers=min(BUDGETS), racing=False)
     # the fixed candidates: what a search of the default spec evaluates, in its order (found with a one-block
-    # proxy fitness, seeded as the command seeds it), and a walk's neighbours at 22 layers
+    # proxy fitness, seeded with ShortGPT's drop sets; LaCo's are left out to keep this quick), and a walk's
+    # neighbours at 22 layers
     proxy = prepare(dataclasses.replace(cfg, calib_tokens=cfg.seq_len), lm)
     scores = B.shortgpt_scores(proxy)
     seeds = [B.shortgpt(proxy, n, scores) for n in BUDGETS]
-    laco = B.laco(proxy, min(BUDGETS), threshold=cfg.laco_threshold, n_blocks=cfg.laco_blocks)
-    seeds += [laco[n] for n in BUDGETS if n in laco]
     for c in seeds:
         proxy.evaluate(c)
     with tempfile.TemporaryDirectory() as d:
@@ -122,7 +121,7 @@ def speed_main(args) -> None:
         f"kl_stride {cfg.kl_stride}, top-{cfg.kl_topk}; {torch.get_num_threads()} torch threads on {os.cpu_count()} CPU cores "
         f"(shared machine, load average {load0:.1f} at start; bf16 matmul support: {cpu_bf16}); "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Candidates: the first {len(search_set)} a default --pareto search "
-        f"evaluates (seeded with ShortGPT and LaCo at {list(BUDGETS)}; found with a one-block proxy fitness), and ShortGPT's 22-layer "
+        f"evaluates (seeded with ShortGPT at {list(BUDGETS)}; found with a one-block proxy fitness), and ShortGPT's 22-layer "
         f"drop set with {len(walk_set) - 1} of its swap neighbours (a walk step). Every mode starts with empty caches.",
         "",
         "| mode | search evals/s | speed-up | walk evals/s | speed-up | layers run per block (search / walk) | fitness vs before |",

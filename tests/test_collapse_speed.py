@@ -188,3 +188,91 @@ def test_two_gloo_processes_give_the_single_process_front(tmp_path):
             assert res[k] == one[k], k
     assert max(r["mine"] for r in two) < one["mine"]  # each rank scored only part of the candidates
     assert (tmp_path / "two" / "search_state.json").is_file()
+
+
+def test_budget_plan_grows_with_the_budget_and_the_speed():
+    from llmcompress.collapse.budget import LADDER, choose, predict_seconds
+
+    kw = dict(n_layers=30, seq_len=256, pareto=True, gelaco=True)
+    times = [predict_seconds(r, 0.1, **kw) for r in LADDER]
+    assert times == sorted(times) and len(set(times)) == len(times)  # every rung costs more than the one before
+    picks = [LADDER.index(choose(m, 0.1, **kw).settings) for m in (0.1, 5, 20, 60, 600, 10**5)]
+    assert picks == sorted(picks) and picks[0] == 0 and picks[-1] == len(LADDER) - 1
+    fast, slow = choose(20, 0.05, **kw), choose(20, 0.5, **kw)
+    assert LADDER.index(fast.settings) >= LADDER.index(slow.settings)
+    plan = choose(20, 0.1, **kw)
+    assert plan.predicted_s <= 20 * 60 or LADDER.index(plan.settings) == 0
+    assert str(plan.settings["calib_tokens"]) in plan.describe()
+
+
+def test_budget_minutes_sizes_the_run_and_the_report_says_so(tmp_path, tiny_hf_dir):
+    """`--budget-minutes` measures, picks a rung of the ladder, runs with it, and the report states it along
+    with the settings that produced the rows."""
+    from llmcompress.collapse.budget import LADDER
+
+    text = tmp_path / "calib.txt"
+    text.write_text(("The quick brown fox jumps over the lazy dog. " * 60 + "\n\n") * 20)
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(f"calib_source: {text}\nseq_len: 32\neval_tokens: 0\npiqa_limit: 0\nlaco_threshold: 0.0\nmin_layers: 3\n"
+                    "save: all\nsave_dtype: float32\n")
+    hf = tiny_hf_dir
+    env = dict(os.environ, LLMCOMPRESS_PROGRESS="0", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "llmcompress", "collapse", str(hf), "--spec", str(spec), "--pareto", "--budget-minutes", "0.01",
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--budget-minutes 0.01: measured" in r.stderr
+    cfg = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert {k: cfg[k] for k in LADDER[0]} == LADDER[0]  # 0.6 s fits no rung: the smallest
+    report = (tmp_path / "o" / "report.md").read_text()
+    assert "- budget: --budget-minutes 0.01" in report and f"population {LADDER[0]['population']}" in report
+    assert "- settings: gelaco rows: 64 calibration and 64 validation blocks of 32 tokens" in report
+
+
+def _exhaustive_picks(ev, lo, hi, top=2):
+    """select_by_validation's definition, every candidate scored in full (no racing anywhere)."""
+    by: dict = {}
+    for c in ev.archive.values():
+        if lo <= c.n_layers <= hi:
+            by.setdefault(c.n_layers, []).append((c, ev.evaluate(c)))
+    out = []
+    for n in sorted(by):
+        ranked = sorted(by[n], key=lambda t: t[1].fitness)[:top]
+        out.append(min(((c, f, ev.evaluate(c, "val")) for c, f in ranked), key=lambda t: t[2].fitness))
+    return [(c.key, f.fitness, v.fitness) for c, f, v in out]
+
+
+def test_validation_racing_picks_what_full_validation_picks(tmp_path):
+    for seed in range(3):
+        ev = tiny_collapse_evaluator(data_seed=seed)
+        ev.batch = 1
+        _, picks = _search(ev, tmp_path / f"s{seed}", True, racing=True, seed=seed)
+        full = tiny_collapse_evaluator(data_seed=seed)
+        full.batch = 1
+        for c in ev.archive.values():
+            full.evaluate(c)
+        full.archive = dict(ev.archive)
+        assert picks == _exhaustive_picks(full, 6, 7)
+
+
+def test_screen_racing_keeps_the_best_neighbours():
+    """The walk's screening with racing returns the same `top` neighbours, in the same order, as screening
+    every neighbour in full, and prunes some."""
+    from llmcompress.collapse.refine import SCREEN, add_screen, screen, swap_neighbours
+
+    pruned = 0
+    for seed in range(2):
+        ev, ref = tiny_collapse_evaluator(data_seed=seed), tiny_collapse_evaluator(data_seed=seed)
+        for e in (ev, ref):
+            add_screen(e, 4)
+        sp = Space(8, (0.0, 0.5, 1.0), lo=5, hi=5, max_group=4)
+        inc = Candidate.from_keep(8, {2, 5, 6})
+        neigh = [sp.decode(y) for y in swap_neighbours(sp, sp.encode(inc))]
+        for top in (1, 3):
+            ev.memo.clear()
+            ev.partial.clear()
+            fits = screen(ev, neigh, top)
+            pruned += sum(f.partial for f in fits)
+            fast = sorted((f.fitness, k) for k, f in enumerate(fits))[:top]
+            slow = sorted((ref.evaluate(n, SCREEN).fitness, k) for k, n in enumerate(neigh))[:top]
+            assert fast == slow
+    assert pruned > 0

@@ -36,6 +36,7 @@ def collapse_command(
     calib_data: Annotated[Optional[str], typer.Option("--calib-data", help="Calibration source: wikitext2, a file, or self; NAME:SPLIT picks a split; several joined by commas are mixed.")] = None,
     eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report (held-out self text when WikiText-2 is missing; 0 skips).")] = None,
     piqa_limit: Annotated[Optional[int], typer.Option("--piqa-limit", help="PIQA examples for the report (0 skips).")] = None,
+    budget_minutes: Annotated[Optional[float], typer.Option("--budget-minutes", help="Size the search (tokens, population, walk) to about this many minutes, from a short measurement of evaluation speed; the report says what it chose.")] = None,
     max_cache_gb: Annotated[Optional[float], typer.Option("--max-cache-gb", help="Memory for cached states; beyond it they go to disk.")] = None,
     device: DeviceOpt = "auto",
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for the saved checkpoint (default: the source model's dtype).")] = None,
@@ -62,7 +63,7 @@ def collapse_command(
         "tune_steps": tune_steps,
         "save": save, "calib_tokens": calib_tokens, "val_tokens": val_tokens, "calib_source": calib_data,
         "eval_tokens": eval_tokens, "piqa_limit": piqa_limit, "max_cache_gb": max_cache_gb,
-        "save_dtype": save_dtype,
+        "save_dtype": save_dtype, "budget_minutes": budget_minutes,
     }
     if pareto:
         overrides.update(pareto=True, target_layers=None, ratio=None)

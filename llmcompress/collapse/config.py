@@ -59,6 +59,9 @@ class CollapseConfig:
         save: which solutions get checkpoints: knee | all | comma-separated layer counts.
         eval_tokens / eval_seq_len: WikiText-2 test tokens for the report's perplexity (0 skips it).
         piqa_limit: PIQA examples in the report (0 skips it).
+        budget_minutes: size calibration/validation tokens, population, generations, the walk and tuning to
+            this many minutes from a short measurement of evaluation speed (budget.py); the report says what
+            was chosen. Overrides those fields.
     """
 
     model: str = "smollm2-135m"
@@ -106,6 +109,7 @@ class CollapseConfig:
     eval_tokens: int = 2048
     eval_seq_len: int = 512
     piqa_limit: int = 20
+    budget_minutes: float | None = None  # size tokens, population and walk to this many minutes (budget.py)
     save_dtype: str | None = None  # dtype of saved checkpoints (None: the source model's; io/dtypes.py)
     version: int = 1
 
@@ -216,6 +220,7 @@ RANGES = {
     "laco_threshold": Real("laco_threshold", -1.0, 1.0),
     "laco_blocks": Int("laco_blocks", 1, MAX_COUNT),
     "max_cache_gb": Real("--max-cache-gb", 0.0, 1e6, note="0 keeps every cached state on disk"),
+    "budget_minutes": Real("--budget-minutes", 0.0, 1e6, lo_open=True, note="e.g. --budget-minutes 20"),
     "prefix_cache_gb": Real("prefix_cache_gb", 0.0, 1e6, note="0 turns the candidates' prefix states off"),
     "batch_blocks": Int("batch_blocks", 1, MAX_BATCH),
     "eval_tokens": Int("--eval-tokens", 0, MAX_TOKENS, note="0 skips the report's perplexity"),

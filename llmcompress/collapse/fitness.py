@@ -264,6 +264,7 @@ class Evaluator:
             raise ValueError(f"compute_dtype {compute_dtype!r}: use float32 or bfloat16")
         self.compute_dtype = compute_dtype
         self.prefix = PrefixStates(prefix_bytes)
+        self.split_batch: dict[str, int] = {}  # blocks per forward on a split, where not `batch`
         self.memo: dict[tuple, Fitness] = {}
         self.partial: dict[tuple, tuple[float, int, int]] = {}  # (split, key) -> (KL sum, positions, next row) of a pruned run
         self.archive: dict[tuple, Candidate] = {}
@@ -405,12 +406,17 @@ class Evaluator:
         self.stats.layers_run += len(layers) * int(h0.shape[0])
         return h, grabbed
 
-    def _to_keep(self, cand: Candidate, g_start: int) -> list[int]:
-        """Groups whose entry state is worth keeping: the entry and the exit of every changed group after g_start."""
+    def _to_keep(self, cand: Candidate, g_start: int, ref: Reference) -> list[int]:
+        """Groups whose entry state is worth keeping: every boundary after g_start when they take at most 1/8 of
+        the budget (a walk's few screening blocks: its neighbours then start where they leave the incumbent),
+        else the entry and the exit of every changed group (where a GA's children mostly leave their parents)."""
         if not self.use_prefix or self.prefix.max_bytes <= 0:
             return []
-        n = len(cand.groups)
-        return [g for g in range(g_start + 1, n) if len(cand.groups[g]) > 1 or len(cand.groups[g - 1]) > 1]
+        every = list(range(g_start + 1, len(cand.groups)))
+        per_state = ref.states.nbytes / max(1, len(ref.states))
+        if len(every) * per_state <= self.prefix.max_bytes / 8:
+            return every
+        return [g for g in every if len(cand.groups[g]) > 1 or len(cand.groups[g - 1]) > 1]
 
     def final_hidden(self, cand: Candidate, ref: Reference, rows: slice):
         """The candidate's last hidden state (before the final norm) on `rows` of `ref`, from the original's prefix."""
@@ -430,13 +436,14 @@ class Evaluator:
         n_pos = ref.n_blocks * int(ref.top_idx.shape[1])
         split = key[0] if key is not None else None
         g_start, state = self._start(cand, split) if split is not None else (self._first_group(cand), None)
-        keep = self._to_keep(cand, g_start) if split is not None and row0 == 0 else []
+        keep = self._to_keep(cand, g_start, ref) if split is not None and row0 == 0 else []
         kept: dict[int, list] = {g: [] for g in keep}
         if bound is not None and row0 > 0 and bound((total + KL_FLOOR * (n_pos - count)) / n_pos):
             return (total + KL_FLOOR * (n_pos - count)) / n_pos, False  # pruned before, and still
+        batch = self.split_batch.get(split, self.batch)
         with torch.no_grad():
-            for s in range(row0, ref.n_blocks, self.batch):
-                rows = slice(s, s + self.batch)
+            for s in range(row0, ref.n_blocks, batch):
+                rows = slice(s, s + batch)
                 h, grabbed = self._run_suffix(cand, ref, rows, g_start, state, keep)
                 for g, t in grabbed.items():
                     kept[g].append(t)
@@ -448,7 +455,7 @@ class Evaluator:
                 kl = self.scored_kl(h.float(), top_idx, top_logp)
                 total += float(kl.sum())
                 count += kl.numel()
-                nxt = s + self.batch
+                nxt = s + batch
                 if bound is not None and nxt < ref.n_blocks and bound((total + KL_FLOOR * (n_pos - count)) / n_pos):
                     self.partial[key] = (total, count, nxt)
                     return (total + KL_FLOOR * (n_pos - count)) / n_pos, False

@@ -30,17 +30,25 @@ def is_main() -> bool:
     return world().is_main
 
 
-def evaluate_many(ev, cands: list, split: str = "calib", prune_for=None) -> list:
+def evaluate_many(ev, cands: list, split: str = "calib", prune_for=None, on_result=None) -> list:
     """Fitness of every candidate on `split`, split over the ranks (one process: in order, here).
 
     Args:
         ev: the Evaluator (its memo, partial sums and archive receive every rank's results).
         prune_for: callable(candidate) -> racing rule for Evaluator.evaluate (or None).
+        on_result: callable(Fitness) after each evaluation this process makes (a racing rule may learn from it).
     """
     info = world()
     rule = prune_for or (lambda c: None)
+
+    def one(c):
+        fit = ev.evaluate(c, split, rule(c))
+        if on_result is not None:
+            on_result(fit)
+        return fit
+
     if not info.active:
-        return [ev.evaluate(c, split, rule(c)) for c in cands]
+        return [one(c) for c in cands]
     import torch.distributed as dist
 
     if split == "calib":  # the archive's order (selection breaks ties by it) is the candidates' order on every rank
@@ -48,7 +56,7 @@ def evaluate_many(ev, cands: list, split: str = "calib", prune_for=None) -> list
             ev.archive[c.key] = c
     mine = []
     for i in range(info.rank, len(cands), info.world_size):
-        fit = ev.evaluate(cands[i], split, rule(cands[i]))
+        fit = one(cands[i])
         mine.append((i, fit, ev.partial.get((split, cands[i].key))))
     parts: list = [None] * info.world_size
     dist.all_gather_object(parts, mine)

@@ -114,6 +114,7 @@ def _run_collapse(cfg, out_dir, overwrite, resume, lm, stop_after, dev, info):
         check_out_dir(out_dir, overwrite=overwrite, resume=resume)
     lm = lm or load_model(cfg.model, device=dev)
     L = lm.model.config.num_hidden_layers
+    cfg, plan = _sized(cfg, lm, out_dir, resume, info, L)
     cfg.validate(L)
     space = make_space(cfg, L)
     lo, hi = space.lo, space.hi
@@ -141,9 +142,34 @@ def _run_collapse(cfg, out_dir, overwrite, resume, lm, stop_after, dev, info):
         write_json(out_dir / "config.json", cfg.to_dict())
     try:
         return _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar,
-                    evaluation)
+                    evaluation, plan)
     finally:
         ev.close()
+
+
+def _sized(cfg, lm, out_dir, resume, info, L):
+    """`--budget-minutes`: the config with tokens, population, generations, walk and tuning sized to the budget
+    (budget.py), and the plan's description for the report; a resumed run keeps the sizes it started with."""
+    import dataclasses
+    import json
+    import sys
+
+    if cfg.budget_minutes is None:
+        return cfg, None
+    from llmcompress.collapse import budget
+
+    saved = Path(out_dir) / "config.json"
+    if resume and saved.is_file():
+        old = json.loads(saved.read_text())
+        settings = {k: old[k] for k in budget.LADDER[0] if k in old}
+        return dataclasses.replace(cfg, **settings), f"--budget-minutes {cfg.budget_minutes:g}: resumed with the sizes chosen at the start"
+    sec = budget.measure(lm, cfg)
+    sec = info.broadcast(sec)  # every rank sizes the search alike
+    plan = budget.choose(cfg.budget_minutes, sec, n_layers=L, seq_len=cfg.seq_len, pareto=cfg.pareto, gelaco=cfg.method == "gelaco",
+                         batch=cfg.batch_blocks)
+    if info.is_main:
+        print(plan.describe(), file=sys.stderr)
+    return dataclasses.replace(cfg, **plan.settings), plan.describe()
 
 
 def _evaluation_sources(cfg) -> dict:
@@ -226,6 +252,17 @@ def _refined_text(cfg, refined: set[int]) -> str:
     return text
 
 
+def _settings_text(cfg, ev) -> str:
+    """What produced the rows: the search's settings and the baselines' data."""
+    n_cal, n_val = ev.refs["calib"].n_blocks, ev.refs["val"].n_blocks
+    text = (f"{cfg.method} rows: {n_cal} calibration and {n_val} validation blocks of {cfg.seq_len} tokens, population {cfg.population}, "
+            f"{cfg.generations} generations, walk {cfg.refine_steps} steps per phase / screen {cfg.refine_screen_blocks} blocks / top "
+            f"{cfg.refine_top}, {cfg.tune_steps if cfg.method == 'gelaco' else 0} tuning steps, KL top-{cfg.kl_topk} every "
+            f"{cfg.kl_stride}th position in {cfg.fitness_dtype}, racing {'on' if cfg.racing else 'off'}, seed {cfg.seed}")
+    return text + (f"; baseline rows: ShortGPT's Block Influence and LaCo (threshold {cfg.laco_threshold}, {cfg.laco_blocks} block) on "
+                   f"the same calibration blocks")
+
+
 def _compare_counts(cfg, lo, hi, target) -> list[int]:
     if target is not None:
         return [target]
@@ -234,7 +271,7 @@ def _compare_counts(cfg, lo, hi, target) -> list[int]:
 
 
 def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar,
-         evaluation=None):
+         evaluation=None, plan=None):
     L = ev.n_layers
     target = cfg.resolved_target(L)
     counts = list(range(lo, hi + 1)) if cfg.method in ("shortgpt", "laco") and cfg.pareto else _compare_counts(cfg, lo, hi, target)
@@ -325,6 +362,7 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
         "eval_tokens": cfg.eval_tokens, "eval_seq_len": cfg.eval_seq_len, "piqa_limit": cfg.piqa_limit,
         "ppl_source": evaluation["ppl_source"], "ppl_protocol": ppl_protocol, "piqa_note": evaluation["piqa_note"],
         "selection": "per layer count, best calibration candidates re-ranked by validation fitness" + _refined_text(cfg, refined),
+        "settings": _settings_text(cfg, ev), "budget": plan,
         "config": cfg.to_dict(),
     }
     E.write_front(out_dir, records, baseline_rows, meta)

@@ -26,6 +26,7 @@ atomically after every move, so a resumed run continues it and ends where an uni
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,7 +136,24 @@ def add_screen(ev: Evaluator, blocks: int) -> None:
         return
     states = StateStore([s[:n] for s in calib.states.all()], float("inf"), device=calib.states.device)
     ev.refs[SCREEN] = Reference(calib.blocks[:n], states, calib.top_idx[:n], calib.top_logp[:n], calib.stride, "screen")
+    ev.split_batch[SCREEN] = 1  # racing checks its bound after every block
     ev.memo = {k: v for k, v in ev.memo.items() if k[0] != SCREEN}
+
+
+def screen(ev: Evaluator, neigh: list[Candidate], top: int) -> list:
+    """Screening fitness of every neighbour, with racing: a neighbour whose lower bound is already worse than
+    `top` fully screened ones cannot be among the `top` best and stops early (its value is then a lower
+    bound; the `top` best and their order are exactly those of screening every neighbour in full)."""
+    done: list[float] = []
+
+    def rule(c):
+        return lambda lb: len(done) >= top and lb > done[top - 1]
+
+    def learn(fit):
+        if not fit.partial:
+            bisect.insort(done, fit.fitness)
+
+    return evaluate_many(ev, neigh, SCREEN, rule, on_result=learn)
 
 
 def load_entry(path: Path | None, key: str) -> dict | None:
@@ -209,7 +227,7 @@ def refine(
                 local_opt = True
                 break
             ev.evaluate(inc, SCREEN)  # its prefix states: most neighbours share a long prefix with it
-            screened = sorted((f.fitness, k) for k, f in enumerate(evaluate_many(ev, neigh, SCREEN)))
+            screened = sorted((f.fitness, k) for k, f in enumerate(screen(ev, neigh, top)))
             tops = [k for _, k in screened[:top]]
             full = [(f.fitness, k) for k, f in zip(tops, evaluate_many(ev, [neigh[k] for k in tops]))]
             best_f, best_k = min(full)

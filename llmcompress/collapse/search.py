@@ -386,10 +386,14 @@ def select_by_validation(evaluator: Evaluator, lo: int, hi: int, top: int = 2) -
         evaluate_many(evaluator, todo)
     ranked = {n: sorted(((c, evaluator.known(c)) for c in cands if evaluator.known(c) is not None), key=lambda t: t[1].fitness)[:top]
               for n, cands in by_count.items()}
-    flat = [(c, f) for n in sorted(ranked) for c, f in ranked[n]]
-    vals = evaluate_many(evaluator, [c for c, _ in flat], "val")
-    picks = []
-    for n in sorted(ranked):
-        scored = [(c, f, v) for (c, f), v in zip(flat, vals) if c.n_layers == n]
-        picks.append(min(scored, key=lambda t: t[2].fitness))
-    return picks
+    counts = sorted(ranked)
+    # validation, with racing: the first of each count in full, then the others stop once their lower bound
+    # reaches the best so far at their count (min keeps the first of equals, so such a one is never picked)
+    best = {n: (ranked[n][0][0], ranked[n][0][1], v) for n, v in zip(counts, evaluate_many(evaluator, [ranked[n][0][0] for n in counts], "val"))}
+    for j in range(1, top):
+        rest = [(n, *ranked[n][j]) for n in counts if len(ranked[n]) > j]
+        rule = lambda c: (lambda lb, b=best[c.n_layers][2].fitness: lb >= b)  # noqa: E731
+        for (n, c, f), v in zip(rest, evaluate_many(evaluator, [c for _, c, _ in rest], "val", rule)):
+            if not v.partial and v.fitness < best[n][2].fitness:
+                best[n] = (c, f, v)
+    return [best[n] for n in counts]
