@@ -174,6 +174,67 @@ def speed_main(args) -> None:
     print(text)
 
 
+def _cand(record):
+    """The Candidate of a solution record (front.json / CollapseResult rows)."""
+    from llmcompress.collapse.config import KINDS
+    from llmcompress.collapse.space import Candidate
+
+    groups = tuple(tuple(e["sources"]) for e in record["layer_map"])
+    alphas = tuple(tuple(tuple(e["alpha"][k][j] for k in KINDS) for j in range(len(e["sources"]) - 1)) if "alpha" in e else ()
+                   for e in record["layer_map"])
+    return Candidate(groups, alphas)
+
+
+def default_main(args) -> None:
+    """--default-command: `llmcompress collapse --target-layers N` with the default spec (gelaco and drop-search),
+    against the ShortGPT baseline of the same run, perplexity on WikiText-2 and tinyshakespeare."""
+    import tempfile
+
+    from llmcompress.collapse.config import CollapseConfig
+    from llmcompress.collapse.export import build_model
+    from llmcompress.collapse.pipeline import run_collapse
+    from llmcompress.eval.perplexity import perplexity
+    from llmcompress.io.load import load_model
+
+    load0 = os.getloadavg()[0]
+    lm = load_model("smollm2-135m")
+
+    def ppl(model):
+        w = perplexity(model, lm.tokenizer, "wikitext2", seq_len=512, max_tokens=args.ppl_tokens)["ppl"]
+        t = perplexity(model, lm.tokenizer, "tinyshakespeare", split="valid", seq_len=512, max_tokens=args.shakespeare_tokens)["ppl"]
+        return w, t
+
+    dense = ppl(lm.model)
+    rows = []
+    for n in args.budgets:
+        for method in ("drop-search", "gelaco"):
+            cfg = CollapseConfig(pareto=False, target_layers=n, method=method, save=str(n), eval_tokens=0, piqa_limit=0)
+            with tempfile.TemporaryDirectory() as d:
+                t0 = time.perf_counter()
+                res = run_collapse(cfg, Path(d) / "run", lm=lm)
+                secs = time.perf_counter() - t0
+            sol = next(r for r in res.front if r["layers"] == n)
+            rows.append((method, n, *ppl(build_model(lm.model, _cand(sol))), sol["kl_val"], secs, res.evals_per_s, sol["changes"]))
+            if method == "gelaco":
+                base = next(r for r in res.baselines if r["method"] == "shortgpt" and r["layers"] == n)
+                rows.append(("shortgpt", n, *ppl(build_model(lm.model, _cand(base))), base["kl_val"], 0.0, float("nan"), base["changes"]))
+            print(rows[-1], flush=True)
+    d = CollapseConfig()
+    lines = ["# Collapse: the default command (smollm2-135m)", "",
+             f"`llmcompress collapse smollm2-135m --target-layers N --method gelaco|drop-search` with the default spec "
+             f"({d.calib_tokens} calibration / {d.val_tokens} validation tokens, population {d.population}, {d.generations} generations, "
+             f"walk {d.refine_steps}/{d.refine_screen_blocks}/{d.refine_top}, {d.tune_steps} tuning steps, fitness_dtype {d.fitness_dtype}); "
+             f"ShortGPT from the gelaco run's baselines. Perplexity: first {args.ppl_tokens} tokens of WikiText-2 test and "
+             f"{args.shakespeare_tokens} of tinyshakespeare valid, seq-len 512. {os.cpu_count()} CPU cores, load average {load0:.1f} at start "
+             f"(shared machine); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
+             f"Dense: {dense[0]:.2f} / {dense[1]:.2f}.", "",
+             "| method | layers | WikiText-2 ppl | tinyshakespeare ppl | KL val | wall s | evals/s | changes |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines += [f"| {m} | {n} | {w:.2f} | {t:.2f} | {kv:.3f} | {s:.0f} | {e:.3f} | {c} |" for m, n, w, t, kv, s, e, c in rows]
+    text = "\n".join(lines) + "\n"
+    args.default_out.write_text(text)
+    print(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calib-tokens", type=int, default=None, help="default: the library's default spec (CollapseConfig)")
@@ -191,7 +252,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/RESULTS-collapse.md"))
     ap.add_argument("--speed", action="store_true", help="only measure evaluations/s, one speed-up at a time (bench/RESULTS-collapse-speed.md)")
     ap.add_argument("--speed-out", type=Path, default=Path("bench/RESULTS-collapse-speed.md"))
+    ap.add_argument("--default-command", action="store_true", help="run the default command at --budgets (bench/RESULTS-collapse-default.md)")
+    ap.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    ap.add_argument("--default-out", type=Path, default=Path("bench/RESULTS-collapse-default.md"))
     args = ap.parse_args()
+    if args.default_command:
+        return default_main(args)
     if args.speed:
         args.speed_sample = args.speed_sample or 24
         return speed_main(args)

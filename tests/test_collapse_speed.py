@@ -276,3 +276,11 @@ def test_screen_racing_keeps_the_best_neighbours():
             slow = sorted((ref.evaluate(n, SCREEN).fitness, k) for k, n in enumerate(neigh))[:top]
             assert fast == slow
     assert pruned > 0
+
+
+def test_default_spec_file_is_the_default_config():
+    """searches/collapse-default.yaml documents the defaults: loading it gives CollapseConfig() exactly."""
+    from llmcompress.collapse.config import load_spec
+
+    path = Path(__file__).resolve().parents[1] / "searches" / "collapse-default.yaml"
+    assert load_spec(path).to_dict() == CollapseConfig().to_dict()

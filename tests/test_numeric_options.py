@@ -148,7 +148,7 @@ def test_spec_file_values_meet_the_same_ranges(tmp_path, capsys):
         ("collapse", "alpha_grid: [0.0, 2.0, 1.0]\n", "alpha_grid must be >= 0 and <= 1 (got 2.0)"),
         ("collapse", "save: banana\n", "--save 'banana'"),
         ("collapse", "prefix_cache_gb: -1\n", "prefix_cache_gb must be >= 0"),
-        ("collapse", "fitness_dtype: float8\n", "fitness_dtype 'float8' is not float32 or bfloat16"),
+        ("collapse", "fitness_dtype: float8\n", "fitness_dtype 'float8' is not auto, float32 or bfloat16"),
         ("nas", "lr: -0.1\n", "lr must be > 0"),
         ("nas", "checkpoint_every: 0\n", "checkpoint_every must be >= 1"),
         ("nas", "min_keep_frac: 0\n", "min_keep_frac must be > 0"),

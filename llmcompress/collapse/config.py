@@ -14,6 +14,7 @@ from llmcompress.errors import UserError
 from llmcompress.spec import MAX_BATCH, MAX_COUNT, MAX_SEED, MAX_SEQ, MAX_TOKENS, Int, Real
 
 METHODS = ("gelaco", "shortgpt", "laco", "drop-search")
+FITNESS_DTYPES = ("auto", "float32", "bfloat16")
 Method = Literal["gelaco", "shortgpt", "laco", "drop-search"]
 KINDS = ("attention", "mlp", "norm")  # merge-coefficient kinds; "other" parameters follow "mlp"
 
@@ -54,7 +55,8 @@ class CollapseConfig:
             groups with one scored before starts at the deepest shared boundary (exact; 0 turns it off).
         racing: stop scoring an offspring once its KL's lower bound keeps it out of the survivors (exact).
         fitness_dtype: float32 (exact) or bfloat16 (candidate layers under autocast, KL in fp32; faster on
-            CPUs with bf16 matmuls and on GPUs, fitness within bf16 tolerance).
+            CPUs with bf16 matmuls and on GPUs, fitness within bf16 tolerance); auto: bfloat16 on a GPU or a
+            CPU with native bf16 matmuls (avx512_bf16 / amx_bf16), else float32 (`resolve_fitness_dtype`).
         batch_blocks: calibration blocks per forward.
         save: which solutions get checkpoints: knee | all | comma-separated layer counts.
         eval_tokens / eval_seq_len: WikiText-2 test tokens for the report's perplexity (0 skips it).
@@ -76,8 +78,8 @@ class CollapseConfig:
     calib_source: str = "wikitext2"
     calib_split: str = "valid"
     seq_len: int = 256
-    calib_tokens: int = 6144
-    val_tokens: int = 2048
+    calib_tokens: int = 8192
+    val_tokens: int = 16384
     kl_topk: int = 64
     kl_stride: int = 4
     sim_blocks: int = 1
@@ -92,7 +94,7 @@ class CollapseConfig:
     max_group: int = 4
     protect_first: int = 1
     protect_last: int = 1
-    refine_steps: int = 1
+    refine_steps: int = 4
     refine_screen_blocks: int = 4
     refine_top: int = 4
     tune_steps: int = 48
@@ -103,7 +105,7 @@ class CollapseConfig:
     max_cache_gb: float = 2.0
     prefix_cache_gb: float = 1.0
     racing: bool = True
-    fitness_dtype: str = "float32"
+    fitness_dtype: str = "auto"
     batch_blocks: int = 4
     save: str = "knee"
     eval_tokens: int = 2048
@@ -128,8 +130,9 @@ class CollapseConfig:
             raise UserError(f"unknown method {self.method!r}", f"use one of {', '.join(METHODS)}")
         spec.check_ranges(self, RANGES)
         self.save_counts()
-        if self.fitness_dtype not in ("float32", "bfloat16"):
-            raise UserError(f"fitness_dtype {self.fitness_dtype!r} is not float32 or bfloat16", "use fitness_dtype: float32 (exact) or bfloat16")
+        if self.fitness_dtype not in FITNESS_DTYPES:
+            raise UserError(f"fitness_dtype {self.fitness_dtype!r} is not auto, float32 or bfloat16",
+                            "use fitness_dtype: auto, float32 (exact) or bfloat16")
         if self.save_dtype is not None:
             from llmcompress.io.dtypes import torch_dtype
 
@@ -187,6 +190,23 @@ class CollapseConfig:
 
 
 FIELDS = {f.name for f in dataclasses.fields(CollapseConfig)}
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX; read from /proc/cpuinfo, Linux only)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "").split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_fitness_dtype(name: str, device_type: str = "cpu") -> str:
+    """`fitness_dtype` with auto resolved: bfloat16 where it is fast (a GPU, a CPU with native bf16), else float32."""
+    if name != "auto":
+        return name
+    return "bfloat16" if device_type == "cuda" or (device_type == "cpu" and native_bf16_cpu()) else "float32"
 
 # Valid values of the numeric fields (flag names where the CLI has one, spec keys otherwise).
 RANGES = {

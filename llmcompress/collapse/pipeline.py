@@ -23,6 +23,7 @@ class CollapseResult:
 
 def prepare(cfg: CollapseConfig, lm, *, calib_blocks=None, val_blocks=None, cache_dir=None):
     """Calibration/validation blocks, cached references and the evaluator for a loaded model."""
+    from llmcompress.collapse.config import resolve_fitness_dtype
     from llmcompress.collapse.fitness import Evaluator, build_reference
     from llmcompress.data import calibration_blocks
 
@@ -42,7 +43,8 @@ def prepare(cfg: CollapseConfig, lm, *, calib_blocks=None, val_blocks=None, cach
     calib = build_reference(lm.model, calib_blocks, label=labels.get("calib", "given"), **common)
     val = build_reference(lm.model, val_blocks, label=labels.get("val", "given"), **common)
     ev = Evaluator(lm.model, calib, val, w_kl=cfg.w_kl, w_sim=cfg.w_sim, sim_blocks=cfg.sim_blocks, batch=cfg.batch_blocks,
-                   prefix_bytes=cfg.prefix_cache_gb * 2**30, compute_dtype=cfg.fitness_dtype)
+                   prefix_bytes=cfg.prefix_cache_gb * 2**30,
+                   compute_dtype=resolve_fitness_dtype(cfg.fitness_dtype, next(lm.model.parameters()).device.type))
     return ev
 
 
@@ -258,7 +260,7 @@ def _settings_text(cfg, ev) -> str:
     text = (f"{cfg.method} rows: {n_cal} calibration and {n_val} validation blocks of {cfg.seq_len} tokens, population {cfg.population}, "
             f"{cfg.generations} generations, walk {cfg.refine_steps} steps per phase / screen {cfg.refine_screen_blocks} blocks / top "
             f"{cfg.refine_top}, {cfg.tune_steps if cfg.method == 'gelaco' else 0} tuning steps, KL top-{cfg.kl_topk} every "
-            f"{cfg.kl_stride}th position in {cfg.fitness_dtype}, racing {'on' if cfg.racing else 'off'}, seed {cfg.seed}")
+            f"{cfg.kl_stride}th position, candidate layers in {ev.compute_dtype} (fitness_dtype {cfg.fitness_dtype}), racing {'on' if cfg.racing else 'off'}, seed {cfg.seed}")
     return text + (f"; baseline rows: ShortGPT's Block Influence and LaCo (threshold {cfg.laco_threshold}, {cfg.laco_blocks} block) on "
                    f"the same calibration blocks")
 
