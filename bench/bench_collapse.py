@@ -38,20 +38,6 @@ def evals_per_second(ev, cands, use_prefix: bool, use_reference: bool = True) ->
     return len(cands) / secs
 
 
-def _timed(ev, cands, split="calib"):
-    """(evaluations per second, fitness values, layers run per block per evaluation) on `cands`, memo cleared."""
-    ev.memo.clear()
-    ev.partial.clear()
-    ev._sim_memo.clear()
-    ev.prefix.clear()
-    ev.stats.layers_run = 0
-    t0 = time.perf_counter()
-    fits = [ev.evaluate(c, split).fitness for c in cands]
-    secs = time.perf_counter() - t0
-    n_blocks = ev.refs[split].n_blocks
-    return len(cands) / secs, fits, ev.stats.layers_run / n_blocks / len(cands)
-
-
 def speed_main(args) -> None:
     """--speed: evaluations per second of the fitness on a fixed set of candidates, one speed-up at a time."""
     import random
@@ -62,8 +48,8 @@ def speed_main(args) -> None:
     from scipy.stats import kendalltau
 
     from llmcompress.collapse import baselines as B
-    from llmcompress.collapse.config import CollapseConfig
-    from llmcompress.collapse.fitness import PrefixStates
+    from llmcompress.collapse.config import CollapseConfig, native_bf16_cpu, resolve_fitness_dtype
+    from llmcompress.collapse.fitness import Evaluator, PrefixStates
     from llmcompress.collapse.pipeline import prepare
     from llmcompress.collapse.refine import swap_neighbours
     from llmcompress.collapse.search import make_space, run_search
@@ -94,51 +80,62 @@ def speed_main(args) -> None:
 
     ev = prepare(cfg, lm)
     threads = torch.get_num_threads()
-    rows, fits = [], {}
-    cpu_bf16 = bool(getattr(torch.backends, "mkldnn", None) and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    cpu_bf16 = native_bf16_cpu()
     modes = [
         ("cached path (original's prefix, fp32; before)", dict(prefix=0.0, dtype="float32", batch=cfg.batch_blocks)),
-        ("(e) batch 8 blocks per forward", dict(prefix=0.0, dtype="float32", batch=2 * cfg.batch_blocks)),
+        ("(e) 8 blocks per forward instead of 4", dict(prefix=0.0, dtype="float32", batch=2 * cfg.batch_blocks)),
         ("(b) + candidates' prefix states (fp32)", dict(prefix=cfg.prefix_cache_gb, dtype="float32", batch=cfg.batch_blocks)),
         ("(a) + bf16 layers, KL fp32", dict(prefix=cfg.prefix_cache_gb, dtype="bfloat16", batch=cfg.batch_blocks)),
     ]
-    for name, m in modes:
-        ev.prefix = PrefixStates(m["prefix"] * 2**30)
-        ev.compute_dtype, ev.batch = m["dtype"], m["batch"]
-        res = {}
-        for label, cands in (("search", search_set), ("walk", walk_set)):
-            res[label] = _timed(ev, cands)
-            fits[(name, label)] = res[label][1]
-            print(name, label, f"{res[label][0]:.3f}/s", flush=True)
-        rows.append((name, res))
-    ev.prefix = PrefixStates(cfg.prefix_cache_gb * 2**30)
-    ev.compute_dtype, ev.batch = "float32", cfg.batch_blocks
-    before = modes[0][0]
+    # one evaluator per mode on the same cached references; each candidate is scored by every mode in turn
+    # (interleaved), so that the load of a shared machine weighs on every mode alike
+    evs = [Evaluator(lm.model, ev.refs["calib"], ev.refs["val"], w_kl=cfg.w_kl, w_sim=cfg.w_sim, sim_blocks=cfg.sim_blocks,
+                     batch=m["batch"], prefix_bytes=m["prefix"] * 2**30, compute_dtype=m["dtype"]) for _, m in modes]
+    n_blocks = ev.refs["calib"].n_blocks
+    res = {}
+    for label, cands in (("search", search_set), ("walk", walk_set)):
+        secs = [0.0] * len(evs)
+        for e in evs:
+            e.stats.layers_run = 0
+        fits = [[] for _ in evs]
+        for c in cands:
+            for i, e in enumerate(evs):
+                t0 = time.perf_counter()
+                fits[i].append(e.evaluate(c).fitness)
+                secs[i] += time.perf_counter() - t0
+            print(label, c.describe(), [round(x, 1) for x in secs], flush=True)
+        for i, e in enumerate(evs):
+            res[(i, label)] = (len(cands) / secs[i], fits[i], e.stats.layers_run / n_blocks / len(cands))
+    before = 0
     lines = [
         "# Collapse fitness speed (smollm2-135m, bench/bench_collapse.py --speed)",
         "",
-        f"Default spec, {cfg.calib_tokens} calibration tokens ({ev.refs['calib'].n_blocks} blocks of {cfg.seq_len}), "
-        f"kl_stride {cfg.kl_stride}, top-{cfg.kl_topk}; {torch.get_num_threads()} torch threads on {os.cpu_count()} CPU cores "
-        f"(shared machine, load average {load0:.1f} at start; bf16 matmul support: {cpu_bf16}); "
+        f"Default spec, {cfg.calib_tokens} calibration tokens ({n_blocks} blocks of {cfg.seq_len}), "
+        f"kl_stride {cfg.kl_stride}, top-{cfg.kl_topk}; {torch.get_num_threads()} torch thread(s) on {os.cpu_count()} CPU cores "
+        f"(shared machine, load average {load0:.1f} at start; native bf16 matmuls: {cpu_bf16}); "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Candidates: the first {len(search_set)} a default --pareto search "
         f"evaluates (seeded with ShortGPT at {list(BUDGETS)}; found with a one-block proxy fitness), and ShortGPT's 22-layer "
-        f"drop set with {len(walk_set) - 1} of its swap neighbours (a walk step). Every mode starts with empty caches.",
+        f"drop set with {len(walk_set) - 1} of its swap neighbours (a walk step). Every mode has its own caches, starts empty, and "
+        "scores each candidate right after the other modes (interleaved, so a shared machine's load falls on all alike).",
         "",
         "| mode | search evals/s | speed-up | walk evals/s | speed-up | layers run per block (search / walk) | fitness vs before |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
-    for name, res in rows:
+    for i, (name, _) in enumerate(modes):
         diffs = []
         for label in ("search", "walk"):
-            a, b = np.array(fits[(before, label)]), np.array(fits[(name, label)])
+            a, b = np.array(res[(before, label)][1]), np.array(res[(i, label)][1])
             if np.array_equal(a, b):
                 diffs.append(f"{label}: bit-identical")
             else:
                 tau = kendalltau(a, b).statistic
                 diffs.append(f"{label}: max |diff| {np.max(np.abs(a - b)):.2e} (rel {np.max(np.abs(a - b) / np.abs(a)):.1e}), Kendall tau {tau:.3f}")
-        s0, w0 = rows[0][1]["search"][0], rows[0][1]["walk"][0]
-        lines.append(f"| {name} | {res['search'][0]:.3f} | {res['search'][0] / s0:.2f}x | {res['walk'][0]:.3f} | {res['walk'][0] / w0:.2f}x | "
-                     f"{res['search'][2]:.1f} / {res['walk'][2]:.1f} | {'; '.join(diffs)} |")
+        s0, w0 = res[(0, "search")][0], res[(0, "walk")][0]
+        lines.append(f"| {name} | {res[(i, 'search')][0]:.3f} | {res[(i, 'search')][0] / s0:.2f}x | {res[(i, 'walk')][0]:.3f} | "
+                     f"{res[(i, 'walk')][0] / w0:.2f}x | {res[(i, 'search')][2]:.1f} / {res[(i, 'walk')][2]:.1f} | {'; '.join(diffs)} |")
+        print(lines[-1], flush=True)
+    ev.prefix = PrefixStates(cfg.prefix_cache_gb * 2**30)
+    ev.compute_dtype = resolve_fitness_dtype(cfg.fitness_dtype)
 
     # (d) racing, in the search itself: the same search with and without it (fronts must be identical)
     race = []
@@ -164,9 +161,29 @@ def speed_main(args) -> None:
         (s0, n0, _, f0, l0), (s1, n1, p1, f1, l1) = runs[False], runs[True]
         race.append(f"| {label} | {n0} | {s0:.0f} s | {p1} of {n1} pruned | {s1:.0f} s | {s0 / s1:.2f}x (layers run {l0 / max(l1, 1):.2f}x fewer) | "
                     f"{'identical' if f0 == f1 else 'DIFFERENT'} |")
-    lines += ["", f"(d) Racing in the search (population {cfg.population}, {cfg.generations} generations, fp32 + prefix states, "
-              "same candidates evaluated in both runs):", "",
+    lines += ["", f"(d) Racing in the search (population {cfg.population}, {cfg.generations} generations, prefix states, "
+              f"{ev.compute_dtype} layers; the same search with and without racing):", "",
               "| search | evaluations | exhaustive | racing | search time | speed-up | final front |", "|---|---:|---:|---:|---:|---:|---|", *race]
+    # (d) racing in the walk's screening: one step's neighbours screened on refine_screen_blocks blocks, the
+    # refine_top best kept; with racing against without (fresh caches each; the same top must come out)
+    from llmcompress.collapse.refine import SCREEN, add_screen, screen
+
+    sub = random.Random(1).sample(neigh, min(4 * args.speed_sample, len(neigh)))
+    out = {}
+    for racing in (False, True):
+        e = Evaluator(lm.model, ev.refs["calib"], ev.refs["val"], w_kl=cfg.w_kl, w_sim=cfg.w_sim, sim_blocks=cfg.sim_blocks,
+                      batch=cfg.batch_blocks, prefix_bytes=cfg.prefix_cache_gb * 2**30, compute_dtype=ev.compute_dtype)
+        add_screen(e, cfg.refine_screen_blocks)
+        e.evaluate(seeds[1], SCREEN)
+        t0 = time.perf_counter()
+        fits = screen(e, sub, cfg.refine_top) if racing else [e.evaluate(c, SCREEN) for c in sub]
+        secs = time.perf_counter() - t0
+        out[racing] = (secs, sorted((f.fitness, k) for k, f in enumerate(fits))[: cfg.refine_top], sum(f.partial for f in fits))
+        print("screen", racing, out[racing], flush=True)
+    lines += ["", f"(d) Racing in a walk step's screening ({len(sub)} swap neighbours of ShortGPT's 22-layer drop set on "
+              f"{cfg.refine_screen_blocks} blocks, top {cfg.refine_top}): {out[False][0]:.0f} s without, {out[True][0]:.0f} s with "
+              f"({out[False][0] / out[True][0]:.2f}x; {out[True][2]} stopped early); the same top {cfg.refine_top}: "
+              f"{'yes' if out[False][1] == out[True][1] else 'NO'}."]
     ev.close()
     torch.set_num_threads(threads)
     text = "\n".join(lines) + "\n"

@@ -284,3 +284,29 @@ def test_default_spec_file_is_the_default_config():
 
     path = Path(__file__).resolve().parents[1] / "searches" / "collapse-default.yaml"
     assert load_spec(path).to_dict() == CollapseConfig().to_dict()
+
+
+@pytest.mark.dist
+def test_cli_under_torchrun_writes_the_single_process_front(tmp_path, tiny_hf_dir):
+    """`torchrun --nproc-per-node 2 -m llmcompress collapse ...`: rank 0 writes the same pareto.json front (and
+    the same search log) as one process; the other rank writes nothing."""
+    text = tmp_path / "calib.txt"
+    text.write_text(("The quick brown fox jumps over the lazy dog. " * 40 + "\n\n") * 6)
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(f"calib_source: {text}\nseq_len: 32\ncalib_tokens: 128\nval_tokens: 64\npopulation: 4\ngenerations: 2\n"
+                    "eval_tokens: 0\npiqa_limit: 0\nlaco_threshold: 0.0\nmin_layers: 3\nsave: all\ntune_steps: 4\nrefine_steps: 1\n"
+                    "batch_blocks: 1\n")
+    env = dict(os.environ, LLMCOMPRESS_PROGRESS="0", OMP_NUM_THREADS="1")
+    args = ["-m", "llmcompress", "collapse", str(tiny_hf_dir), "--spec", str(spec), "--pareto"]
+    one = subprocess.run([sys.executable, *args, "--out", str(tmp_path / "one")], capture_output=True, text=True, env=env, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args, "--out",
+                          str(tmp_path / "two")], capture_output=True, text=True, env=env, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = (json.loads((tmp_path / d / "pareto.json").read_text()) for d in ("one", "two"))
+    keys = ("name", "layers", "fitness_calib", "fitness_val", "changes")
+    assert [{k: r[k] for k in keys} for r in a["front"]] == [{k: r[k] for k in keys} for r in b["front"]]
+    assert a["evaluations"] > b["evaluations"] > 0  # rank 0 scored only its share itself
+    log = [(json.loads(x)["gen"], json.loads(x)["front"]) for x in (tmp_path / "one" / "search_log.jsonl").read_text().splitlines()]
+    assert log == [(json.loads(x)["gen"], json.loads(x)["front"]) for x in (tmp_path / "two" / "search_log.jsonl").read_text().splitlines()]
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
