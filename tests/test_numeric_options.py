@@ -47,6 +47,7 @@ BAD = {
         "--eval-tokens": ["-1", HUGE],
         "--piqa-limit": ["-1", HUGE],
         "--max-cache-gb": ["-1", HUGE_F, "nan"],
+        "--budget-minutes": ["0", "-1", HUGE_F, "nan"],
         "--save": ["banana", "0", "-3", "1,2", HUGE],
     },
     "distill": {
@@ -146,6 +147,8 @@ def test_spec_file_values_meet_the_same_ranges(tmp_path, capsys):
         ("collapse", "generations: '4'\n", "--generations must be an integer"),
         ("collapse", "alpha_grid: [0.0, 2.0, 1.0]\n", "alpha_grid must be >= 0 and <= 1 (got 2.0)"),
         ("collapse", "save: banana\n", "--save 'banana'"),
+        ("collapse", "prefix_cache_gb: -1\n", "prefix_cache_gb must be >= 0"),
+        ("collapse", "fitness_dtype: float8\n", "fitness_dtype 'float8' is not auto, float32 or bfloat16"),
         ("nas", "lr: -0.1\n", "lr must be > 0"),
         ("nas", "checkpoint_every: 0\n", "checkpoint_every must be >= 1"),
         ("nas", "min_keep_frac: 0\n", "min_keep_frac must be > 0"),
@@ -166,7 +169,8 @@ def test_valid_edge_values_pass_the_range_check():
     from llmcompress.nas.config import NasConfig
 
     EvalSpec(max_tokens=0, seq_len=2, batch_size=1, limit=0.5).validate()
-    CollapseConfig(eval_tokens=0, piqa_limit=0, refine_steps=0, tune_steps=0, max_cache_gb=0.0, seed=2**32 - 1, save="2,3").validate()
+    CollapseConfig(eval_tokens=0, piqa_limit=0, refine_steps=0, tune_steps=0, max_cache_gb=0.0, seed=2**32 - 1, save="2,3",
+                   prefix_cache_gb=0.0, budget_minutes=0.5, fitness_dtype="bfloat16").validate()
     DistillConfig(keep_layers=1, e2e_steps=0, eval_tokens=0, ce_weight=0.0, phase1_fraction=1.0, threads=1).validate()
     NasConfig(target_bits=2.0, group_size=0, eval_tokens=0, refine_evals=0, bits=[2, 16]).validate()
 

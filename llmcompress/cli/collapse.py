@@ -38,6 +38,7 @@ def collapse_command(
     calib_data: Annotated[Optional[str], typer.Option("--calib-data", help="Calibration source: wikitext2, a file, or self; NAME:SPLIT picks a split; several joined by commas are mixed.")] = None,
     eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report (held-out self text when WikiText-2 is missing; 0 skips).")] = None,
     piqa_limit: Annotated[Optional[int], typer.Option("--piqa-limit", help="PIQA examples for the report (0 skips).")] = None,
+    budget_minutes: Annotated[Optional[float], typer.Option("--budget-minutes", help="Size the search (tokens, population, walk) to about this many minutes, from a short measurement of evaluation speed; the report says what it chose.")] = None,
     max_cache_gb: Annotated[Optional[float], typer.Option("--max-cache-gb", help="Memory for cached states; beyond it they go to disk.")] = None,
     device: DeviceOpt = "auto",
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for the saved checkpoint (default: the source model's dtype).")] = None,
@@ -60,7 +61,7 @@ def collapse_command(
     overrides = given(
         model=model, method=method, population=population, generations=generations, seed=seed, refine_steps=refine_steps,
         tune_steps=tune_steps, save=save, calib_tokens=calib_tokens, val_tokens=val_tokens, calib_source=calib_data,
-        eval_tokens=eval_tokens, piqa_limit=piqa_limit, max_cache_gb=max_cache_gb, save_dtype=save_dtype,
+        eval_tokens=eval_tokens, piqa_limit=piqa_limit, max_cache_gb=max_cache_gb, save_dtype=save_dtype, budget_minutes=budget_minutes,
     )
     if pareto:
         overrides.update(pareto=True, target_layers=None, ratio=None)
@@ -80,19 +81,27 @@ def collapse_command(
             raise UserError("--resume needs the --out directory of the interrupted run", "pass --out DIR")
         out = Path("runs") / f"collapse-{time.strftime('%Y%m%d-%H%M%S')}"
 
+    import contextlib
+    import os
+
     from llmcompress.io.atomic import check_out_dir, removed_if_left_empty
     from llmcompress.io.preflight import check_run_outputs
 
-    check_out_dir(out, overwrite=overwrite, resume=resume)
-    saves = 4 if cfg.save == "all" else len(cfg.save_counts() or [cfg.save])  # each checkpoint is smaller than the model
-    check_run_outputs(out, [cfg.model], out_factor=saves)
+    main = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 owns --out; the others write nothing
+    if main:
+        check_out_dir(out, overwrite=overwrite, resume=resume)
+        saves = 4 if cfg.save == "all" else len(cfg.save_counts() or [cfg.save])  # each checkpoint is smaller than the model
+        check_run_outputs(out, [cfg.model], out_factor=saves)
     from llmcompress.cli._errors import note_output
     from llmcompress.collapse.pipeline import run_collapse
 
-    note_output(out)
+    if main:
+        note_output(out)
 
-    with removed_if_left_empty(out):
+    with removed_if_left_empty(out) if main else contextlib.nullcontext():
         result = run_collapse(cfg, out, overwrite=overwrite, resume=resume, device=device)
+    if not main:
+        return
     typer.echo(f"wrote {result.out_dir}: {len(result.front)} solution(s) on the front, {len(result.saved)} checkpoint(s)")
     for path in result.saved:
         typer.echo(f"  {path}")

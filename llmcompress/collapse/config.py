@@ -24,6 +24,7 @@ class Method(str, Enum):
 
 
 METHODS = tuple(m.value for m in Method)
+FITNESS_DTYPES = ("auto", "float32", "bfloat16")
 KINDS = ("attention", "mlp", "norm")  # merge-coefficient kinds; "other" parameters follow "mlp"
 
 
@@ -59,10 +60,19 @@ class CollapseConfig:
         baselines: baselines computed (and seeded into the population) in a gelaco/drop-search run.
         laco_threshold: LaCo's representation-similarity acceptance threshold; laco_blocks: its data size.
         max_cache_gb: memory budget for cached boundary states (beyond it they go to disk).
+        prefix_cache_gb: memory for candidates' own boundary states, so that a candidate sharing a prefix of
+            groups with one scored before starts at the deepest shared boundary (exact; 0 turns it off).
+        racing: stop scoring an offspring once its KL's lower bound keeps it out of the survivors (exact).
+        fitness_dtype: float32 (exact) or bfloat16 (candidate layers under autocast, KL in fp32; faster on
+            CPUs with bf16 matmuls and on GPUs, fitness within bf16 tolerance); auto: bfloat16 on a GPU or a
+            CPU with native bf16 matmuls (avx512_bf16 / amx_bf16), else float32 (`resolve_fitness_dtype`).
         batch_blocks: calibration blocks per forward.
         save: which solutions get checkpoints: knee | all | comma-separated layer counts.
         eval_tokens / eval_seq_len: WikiText-2 test tokens for the report's perplexity (0 skips it).
         piqa_limit: PIQA examples in the report (0 skips it).
+        budget_minutes: size calibration/validation tokens, population, generations, the walk and tuning to
+            this many minutes from a short measurement of evaluation speed (budget.py); the report says what
+            was chosen. Overrides those fields.
     """
 
     model: str = DEFAULT_MODEL
@@ -77,8 +87,8 @@ class CollapseConfig:
     calib_source: str = "wikitext2"
     calib_split: str = "valid"
     seq_len: int = 256
-    calib_tokens: int = 6144
-    val_tokens: int = 2048
+    calib_tokens: int = 8192
+    val_tokens: int = 16384
     kl_topk: int = 64
     kl_stride: int = 4
     sim_blocks: int = 1
@@ -93,7 +103,7 @@ class CollapseConfig:
     max_group: int = 4
     protect_first: int = 1
     protect_last: int = 1
-    refine_steps: int = 1
+    refine_steps: int = 4
     refine_screen_blocks: int = 4
     refine_top: int = 4
     tune_steps: int = 48
@@ -102,11 +112,15 @@ class CollapseConfig:
     laco_threshold: float = 0.95
     laco_blocks: int = 1
     max_cache_gb: float = 2.0
+    prefix_cache_gb: float = 1.0
+    racing: bool = True
+    fitness_dtype: str = "auto"
     batch_blocks: int = 4
     save: str = "knee"
     eval_tokens: int = 2048
     eval_seq_len: int = 512
     piqa_limit: int = 20
+    budget_minutes: float | None = None  # size tokens, population and walk to this many minutes (budget.py)
     save_dtype: str | None = None  # dtype of saved checkpoints (None: the source model's; io/dtypes.py)
     version: int = 1
 
@@ -117,7 +131,7 @@ class CollapseConfig:
         """Hash of the fields that decide the search result (a resume must match it)."""
         from llmcompress.io.rundir import fingerprint
 
-        return fingerprint(self.to_dict(), skip=("save", "eval_tokens", "eval_seq_len", "piqa_limit", "max_cache_gb", "generations", "save_dtype"))
+        return fingerprint(self.to_dict(), skip=("save", "eval_tokens", "eval_seq_len", "piqa_limit", "max_cache_gb", "generations", "save_dtype", "prefix_cache_gb", "racing"))
 
     def validate(self, n_layers: int | None = None) -> None:
         """Raise UserError on bad values; with `n_layers`, also check the layer budget against the depth."""
@@ -125,6 +139,9 @@ class CollapseConfig:
             raise UserError(f"unknown method {self.method!r}", f"use one of {', '.join(METHODS)}")
         spec.check_ranges(self, RANGES)
         self.save_counts()
+        if self.fitness_dtype not in FITNESS_DTYPES:
+            raise UserError(f"fitness_dtype {self.fitness_dtype!r} is not auto, float32 or bfloat16",
+                            "use fitness_dtype: auto, float32 (exact) or bfloat16")
         if self.save_dtype is not None:
             from llmcompress.io.dtypes import torch_dtype
 
@@ -183,6 +200,23 @@ class CollapseConfig:
 
 FIELDS = {f.name for f in dataclasses.fields(CollapseConfig)}
 
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX; read from /proc/cpuinfo, Linux only)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "").split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_fitness_dtype(name: str, device_type: str = "cpu") -> str:
+    """`fitness_dtype` with auto resolved: bfloat16 where it is fast (a GPU, a CPU with native bf16), else float32."""
+    if name != "auto":
+        return name
+    return "bfloat16" if device_type == "cuda" or (device_type == "cpu" and native_bf16_cpu()) else "float32"
+
 # Valid values of the numeric fields (flag names where the CLI has one, spec keys otherwise).
 RANGES = {
     "target_layers": Int("--target-layers", 2, MAX_COUNT, note="keep 2 layers or more"),
@@ -215,6 +249,8 @@ RANGES = {
     "laco_threshold": Real("laco_threshold", -1.0, 1.0),
     "laco_blocks": Int("laco_blocks", 1, MAX_COUNT),
     "max_cache_gb": Real("--max-cache-gb", 0.0, 1e6, note="0 keeps every cached state on disk"),
+    "budget_minutes": Real("--budget-minutes", 0.0, 1e6, lo_open=True, note="e.g. --budget-minutes 20"),
+    "prefix_cache_gb": Real("prefix_cache_gb", 0.0, 1e6, note="0 turns the candidates' prefix states off"),
     "batch_blocks": Int("batch_blocks", 1, MAX_BATCH),
     "eval_tokens": Int("--eval-tokens", 0, MAX_TOKENS, note="0 skips the report's perplexity"),
     "eval_seq_len": Int("eval_seq_len", 2, MAX_SEQ),

@@ -226,6 +226,8 @@ def write_report(path: Path, rows: list[dict], meta: dict) -> None:
         f"- calibration: {meta.get('calibration')}; validation: {meta.get('validation')} (never optimized on)",
         f"- search: {meta.get('evaluations')} fitness evaluations in {fmt(meta.get('search_seconds'), '.1f')} s "
         f"({fmt(meta.get('evals_per_s'), '.3f')} evals/s, prefix cache on)",
+        *([f"- settings: {meta['settings']}"] if meta.get("settings") else []),
+        *([f"- budget: {meta['budget']}"] if meta.get("budget") else []),
         f"- perplexity: {meta.get('ppl_protocol') or _wikitext_protocol(meta)}; "
         f"PIQA: {meta.get('piqa_note') or str(meta.get('piqa_limit')) + ' examples'}",
         "",

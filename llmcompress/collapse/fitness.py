@@ -3,6 +3,22 @@
 The original model's hidden state at every layer boundary and its top-k log-probabilities are cached once
 per data split (`Reference`); a candidate's forward starts at its first changed layer from the cached state
 (`Evaluator`), so the prefix it shares with the original is never recomputed.
+
+Three more savings, each exact (fp32: bit-identical fitness values; tests/test_collapse_speed.py):
+
+* Prefix states (`PrefixStates`): a candidate's own hidden states at the entry and exit of each of its changed
+  groups are kept in a byte-bounded LRU keyed by the group prefix that produced them, so a later candidate
+  that shares more than the original's prefix (a mutated child, a crossover, a walk's neighbour) starts at
+  the deepest boundary it shares with any candidate scored before. A GA's offspring and a walk's neighbours
+  share long prefixes with their parents; nothing in pymoo or torch caches this, hence this small LRU.
+* Racing (`evaluate(..., prune=)`): the top-k KL is a mean of non-negative per-position terms, so after some
+  calibration batches `(sum so far + floor * positions left) / positions` is a lower bound of the final KL.
+  The search passes a rule that says when a lower bound already keeps a candidate out of the survivors
+  (search.py); the evaluation stops there and its partial sums are kept, so finishing it later (selection)
+  gives exactly the value an uninterrupted evaluation gives.
+* bf16 compute (`compute_dtype="bfloat16"`): the candidate's layers run under torch.autocast (bf16 matmuls,
+  fp32 residual stream); the final norm, the head and the KL stay in fp32. Not exact (within bf16 tolerance);
+  it pays where the CPU has bf16 matmuls (AVX512-BF16/AMX) or on a GPU (bench/bench_collapse.py --speed).
 """
 
 from __future__ import annotations
@@ -153,6 +169,7 @@ class Fitness:
     fitness: float
     layers: int
     params: int
+    partial: bool = False  # racing stopped it early: kl and fitness are lower bounds (never memoized as final)
 
     def to_dict(self) -> dict:
         return {"kl": self.kl, "sim": self.sim, "fitness": self.fitness, "layers": self.layers, "params": self.params}
@@ -160,13 +177,60 @@ class Fitness:
 
 @dataclass
 class EvalStats:
-    evaluations: int = 0
+    evaluations: int = 0  # candidates scored on the calibration split (pruned ones included)
     seconds: float = 0.0
     memo_hits: int = 0
+    pruned: int = 0  # of them, stopped early by racing
+    prefix_hits: int = 0  # evaluations that started from a candidate's (not the original's) prefix state
+    layers_run: int = 0  # decoder layers run per block, summed (what the prefix states save)
 
     @property
     def per_second(self) -> float:
         return self.evaluations / self.seconds if self.seconds > 0 else float("nan")
+
+
+KL_FLOOR = -1e-4  # per-position floor of the top-k KL (>= 0 in exact arithmetic; fp32 rounding stays far above this)
+
+
+class PrefixStates:
+    """Hidden states of candidates at group boundaries, keyed by (split, group prefix); LRU bounded in bytes.
+
+    The state entering group g of a candidate depends only on its groups (and merge coefficients) 0..g-1, so
+    every candidate with the same first g groups may start there.
+    """
+
+    def __init__(self, max_bytes: float) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._d: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def get(self, key: tuple):
+        t = self._d.get(key)
+        if t is not None:
+            self._d.move_to_end(key)
+        return t
+
+    def put(self, key: tuple, t: torch.Tensor) -> None:
+        size = t.numel() * t.element_size()
+        if size > self.max_bytes or key in self._d:
+            return
+        self._d[key] = t
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:
+            _, old = self._d.popitem(last=False)
+            self.nbytes -= old.numel() * old.element_size()
+
+    def clear(self) -> None:
+        self._d.clear()
+        self.nbytes = 0
+
+
+def prefix_key(split: str, cand: Candidate, g: int) -> tuple:
+    """Key of the state entering group g of `cand` on `split`."""
+    return (split, cand.groups[:g], cand.alphas[:g])
 
 
 class Evaluator:
@@ -181,16 +245,25 @@ class Evaluator:
         use_prefix: start each candidate at its first changed layer (False: full forward, for benchmarks).
         use_reference: score the KL against the cached top-k log-probabilities of the original (False:
             recompute the original's forward for every evaluation, as a notebook does; benchmarks only).
+        prefix_bytes: memory for candidates' own prefix states (0: only the original's prefix is reused).
+        compute_dtype: "float32" (exact) or "bfloat16" (the candidate's layers under autocast; KL in fp32).
     """
 
-    def __init__(self, model, calib: Reference, val: Reference | None, *, w_kl=1.0, w_sim=0.1, sim_blocks=2, batch=4, use_prefix=True, use_reference=True) -> None:
+    def __init__(self, model, calib: Reference, val: Reference | None, *, w_kl=1.0, w_sim=0.1, sim_blocks=2, batch=4, use_prefix=True,
+                 use_reference=True, prefix_bytes: float = 0.0, compute_dtype: str = "float32") -> None:
         self.model = model
         self.adapter = get_adapter(model)
         self.layers = list(self.adapter.decoder_layers(model))
         self.refs = {"calib": calib, "val": val}
         self.w_kl, self.w_sim, self.sim_blocks, self.batch, self.use_prefix = w_kl, w_sim, sim_blocks, batch, use_prefix
         self.use_reference = use_reference
+        if compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype {compute_dtype!r}: use float32 or bfloat16")
+        self.compute_dtype = compute_dtype
+        self.prefix = PrefixStates(prefix_bytes)
+        self.split_batch: dict[str, int] = {}  # blocks per forward on a split, where not `batch`
         self.memo: dict[tuple, Fitness] = {}
+        self.partial: dict[tuple, tuple[float, int, int]] = {}  # (split, key) -> (KL sum, positions, next row) of a pruned run
         self.archive: dict[tuple, Candidate] = {}
         self._sim_memo: dict[tuple, float] = {}
         self._built: OrderedDict[tuple, object] = OrderedDict()
@@ -204,7 +277,7 @@ class Evaluator:
 
     def calib_keys(self) -> set[tuple]:
         """Keys of the candidates scored on calibration data so far (what `stats.evaluations` counts)."""
-        return {k for split, k in self.memo if split == "calib"}
+        return {k for split, k in self.memo if split == "calib"} | {k for split, k in self.partial if split == "calib"}
 
     def params_of(self, cand: Candidate) -> int:
         removed = sum(self.layer_params[i] for grp in cand.groups for i in grp[1:])
@@ -223,7 +296,32 @@ class Evaluator:
         self._built.move_to_end(key)
         return self._built[key]
 
-    def evaluate(self, cand: Candidate, split: str = "calib") -> Fitness:
+    def known(self, cand: Candidate, split: str = "calib") -> Fitness | None:
+        """The memoized final fitness, if any (no evaluation)."""
+        return self.memo.get((split, cand.key))
+
+    def lower_bound(self, cand: Candidate, split: str = "calib") -> float:
+        """The best fitness `cand` can still have: its fitness when known, the racing bound when it was
+        pruned, -inf when it was never scored."""
+        key = (split, cand.key)
+        if key in self.memo:
+            return self.memo[key].fitness
+        if key not in self.partial:
+            return -math.inf
+        total, count, _ = self.partial[key]
+        ref = self.refs[split]
+        n_pos = ref.n_blocks * int(ref.top_idx.shape[1])
+        return self.w_kl * (total + KL_FLOOR * (n_pos - count)) / n_pos + self.w_sim * (1.0 - self.similarity(cand))
+
+    def evaluate(self, cand: Candidate, split: str = "calib", prune=None) -> Fitness:
+        """Fitness of `cand` on `split` (memoized).
+
+        Args:
+            prune: racing rule, callable(lower_bound_fitness) -> True when a candidate whose fitness is at
+                least that can be dropped. Checked after every batch; a pruned evaluation returns a Fitness
+                with `partial=True` (kl, fitness: lower bounds) and keeps its sums, so that a later call
+                without `prune` finishes it with the value an uninterrupted evaluation gives.
+        """
         key = (split, cand.key)
         if split == "calib":
             self.archive[cand.key] = cand  # also on a memo hit: an archive cleared between searches refills
@@ -231,48 +329,136 @@ class Evaluator:
             self.stats.memo_hits += 1
             return self.memo[key]
         t0 = time.perf_counter()
-        kl = self.kl(cand, self.refs[split])
         sim = self.similarity(cand)
-        fit = Fitness(kl, sim, self.w_kl * kl + self.w_sim * (1.0 - sim), cand.n_layers, self.params_of(cand))
-        self.memo[key] = fit
+        fresh = key not in self.partial
+        bound = None
+        if prune is not None:
+            def bound(kl_lb: float) -> bool:
+                return prune(self.w_kl * kl_lb + self.w_sim * (1.0 - sim))
+        kl, done = self._kl(cand, self.refs[split], key, bound)
+        fit = Fitness(kl, sim, self.w_kl * kl + self.w_sim * (1.0 - sim), cand.n_layers, self.params_of(cand), partial=not done)
+        if done:
+            self.memo[key] = fit
+            self.partial.pop(key, None)
         if split == "calib":
-            self.stats.evaluations += 1
+            if fresh:
+                self.stats.evaluations += 1
+            self.stats.pruned += int(not done)
             self.stats.seconds += time.perf_counter() - t0
         return fit
 
     def _suffix(self, cand: Candidate) -> tuple[int, list, list[int]]:
-        """(boundary index to start from, layers to run, their origins)."""
+        """(boundary index to start from, layers to run, their origins), from the original's prefix."""
         g0 = cand.first_changed() if self.use_prefix else 0
         layers = [self.built_layer(cand, g) for g in range(g0, len(cand.groups))]
         origin = [grp[0] for grp in cand.groups[g0:]]
         return cand.groups[g0][0], layers, origin
 
-    def final_hidden(self, cand: Candidate, ref: Reference, rows: slice):
+    def _autocast(self, device):
+        import contextlib
+
         import torch
 
-        start, layers, origin = self._suffix(cand)
-        with torch.no_grad():
-            return run_layers(self.model, ref.states.get(start, rows), layers, origin, output="hidden")
+        if self.compute_dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+    def _first_group(self, cand: Candidate) -> int:
+        g0 = cand.first_changed() if self.use_prefix else 0
+        return 0 if g0 is None else g0
+
+    def _start(self, cand: Candidate, split: str) -> tuple[int, torch.Tensor | None]:
+        """(group to start at, its cached entry state or None for the original's boundary state)."""
+        g0 = self._first_group(cand)
+        if self.use_prefix and self.prefix.max_bytes > 0:
+            for g in range(len(cand.groups) - 1, g0, -1):
+                t = self.prefix.get(prefix_key(split, cand, g))
+                if t is not None:
+                    self.stats.prefix_hits += int(split == "calib")
+                    return g, t
+        return g0, None
+
+    def _run_suffix(self, cand: Candidate, ref: Reference, rows: slice, g_start: int, state, keep: list[int] | None = None):
+        """The last hidden state of `cand` on `rows` from group `g_start`; with `keep`, also the states
+        entering those groups ({g: state})."""
+        import torch
+
+        from llmcompress.io.forward import _first
+
+        h0 = ref.states.get(cand.groups[g_start][0], rows) if state is None else state[rows].to(ref.states.device)
+        layers = [self.built_layer(cand, g) for g in range(g_start, len(cand.groups))]
+        origin = [grp[0] for grp in cand.groups[g_start:]]
+        grabbed: dict[int, torch.Tensor] = {}
+        hooks = []
+        for g in keep or []:
+            def grab(module, args, out, g=g):
+                grabbed[g] = _first(out).detach()
+            hooks.append(layers[g - 1 - g_start].register_forward_hook(grab))
+        try:
+            with torch.no_grad(), self._autocast(h0.device):
+                h = run_layers(self.model, h0, layers, origin, output="hidden")
+        finally:
+            for hk in hooks:
+                hk.remove()
+        self.stats.layers_run += len(layers) * int(h0.shape[0])
+        return h, grabbed
+
+    def _to_keep(self, cand: Candidate, g_start: int, ref: Reference) -> list[int]:
+        """Groups whose entry state is worth keeping: every boundary after g_start when they take at most 1/8 of
+        the budget (a walk's few screening blocks: its neighbours then start where they leave the incumbent),
+        else the entry and the exit of every changed group (where a GA's children mostly leave their parents)."""
+        if not self.use_prefix or self.prefix.max_bytes <= 0:
+            return []
+        every = list(range(g_start + 1, len(cand.groups)))
+        per_state = ref.states.nbytes / max(1, len(ref.states))
+        if len(every) * per_state <= self.prefix.max_bytes / 8:
+            return every
+        return [g for g in every if len(cand.groups[g]) > 1 or len(cand.groups[g - 1]) > 1]
+
+    def final_hidden(self, cand: Candidate, ref: Reference, rows: slice):
+        """The candidate's last hidden state (before the final norm) on `rows` of `ref`, from the original's prefix."""
+        return self._run_suffix(cand, ref, rows, self._first_group(cand), None)[0]
 
     def kl(self, cand: Candidate, ref: Reference) -> float:
-        """Mean top-k KL(original || candidate) over the scored positions of `ref`."""
+        """Mean top-k KL(original || candidate) over the scored positions of `ref` (not memoized)."""
+        return self._kl(cand, ref, None, None)[0]
+
+    def _kl(self, cand: Candidate, ref: Reference, key, bound) -> tuple[float, bool]:
+        """(mean KL or, when `bound` stopped it, a lower bound of it; finished)."""
         import torch
 
         if cand.first_changed() is None and self.use_prefix and self.use_reference:
-            return 0.0
-        total, count = 0.0, 0
+            return 0.0, True
+        total, count, row0 = self.partial.get(key, (0.0, 0, 0)) if key is not None else (0.0, 0, 0)
+        n_pos = ref.n_blocks * int(ref.top_idx.shape[1])
+        split = key[0] if key is not None else None
+        g_start, state = self._start(cand, split) if split is not None else (self._first_group(cand), None)
+        keep = self._to_keep(cand, g_start, ref) if split is not None and row0 == 0 else []
+        kept: dict[int, list] = {g: [] for g in keep}
+        if bound is not None and row0 > 0 and bound((total + KL_FLOOR * (n_pos - count)) / n_pos):
+            return (total + KL_FLOOR * (n_pos - count)) / n_pos, False  # pruned before, and still
+        batch = self.split_batch.get(split, self.batch)
         with torch.no_grad():
-            for s in range(0, ref.n_blocks, self.batch):
-                rows = slice(s, s + self.batch)
-                h = self.final_hidden(cand, ref, rows)[:, :: ref.stride]
+            for s in range(row0, ref.n_blocks, batch):
+                rows = slice(s, s + batch)
+                h, grabbed = self._run_suffix(cand, ref, rows, g_start, state, keep)
+                for g, t in grabbed.items():
+                    kept[g].append(t)
+                h = h[:, :: ref.stride]
                 top_idx, top_logp = ref.top_idx[rows], ref.top_logp[rows]
                 if not self.use_reference:  # naive baseline: rerun the original on the tokens
                     logits = self.model(input_ids=ref.blocks[rows].to(h.device), use_cache=False).logits[:, :: ref.stride]
                     top_logp, top_idx = torch.log_softmax(logits.float(), dim=-1).topk(top_idx.shape[-1], dim=-1)
-                kl = self.scored_kl(h, top_idx, top_logp)
+                kl = self.scored_kl(h.float(), top_idx, top_logp)
                 total += float(kl.sum())
                 count += kl.numel()
-        return total / count
+                nxt = s + batch
+                if bound is not None and nxt < ref.n_blocks and bound((total + KL_FLOOR * (n_pos - count)) / n_pos):
+                    self.partial[key] = (total, count, nxt)
+                    return (total + KL_FLOOR * (n_pos - count)) / n_pos, False
+        for g, parts in kept.items():
+            self.prefix.put(prefix_key(split, cand, g), torch.cat(parts))
+        return total / count, True
 
     def scored_kl(self, h: torch.Tensor, top_idx: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
         """Per-position top-k KL of a candidate's last hidden state `h` (before the final norm, at the scored

@@ -29,6 +29,7 @@ def stale_files() -> tuple[str, ...]:
 
 def prepare(cfg: CollapseConfig, lm, *, calib_blocks=None, val_blocks=None, cache_dir=None):
     """Calibration/validation blocks, cached references and the evaluator for a loaded model."""
+    from llmcompress.collapse.config import resolve_fitness_dtype
     from llmcompress.collapse.fitness import Evaluator, build_reference
     from llmcompress.data import calibration_blocks
 
@@ -47,7 +48,9 @@ def prepare(cfg: CollapseConfig, lm, *, calib_blocks=None, val_blocks=None, cach
     common = dict(topk=cfg.kl_topk, stride=cfg.kl_stride, batch=cfg.batch_blocks, max_bytes=max_bytes, cache_dir=cache_dir)
     calib = build_reference(lm.model, calib_blocks, label=labels.get("calib", "given"), **common)
     val = build_reference(lm.model, val_blocks, label=labels.get("val", "given"), **common)
-    ev = Evaluator(lm.model, calib, val, w_kl=cfg.w_kl, w_sim=cfg.w_sim, sim_blocks=cfg.sim_blocks, batch=cfg.batch_blocks)
+    ev = Evaluator(lm.model, calib, val, w_kl=cfg.w_kl, w_sim=cfg.w_sim, sim_blocks=cfg.sim_blocks, batch=cfg.batch_blocks,
+                   prefix_bytes=cfg.prefix_cache_gb * 2**30,
+                   compute_dtype=resolve_fitness_dtype(cfg.fitness_dtype, next(lm.model.parameters()).device.type))
     return ev
 
 
@@ -84,6 +87,24 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
         stop_after: stop the search after this generation (simulates an interruption).
         device: where the model, its cached states and every candidate run ("cpu", "cuda[:N]", "auto").
     """
+    from llmcompress.collapse.parallel import from_env
+    from llmcompress.runtime import resolve_device
+
+    out_dir = Path(out_dir)
+    cfg.validate()
+    dev, _ = resolve_device(device)
+    info = from_env(dev.type)  # under torchrun: each rank scores a slice of every population; rank 0 writes
+    try:
+        return _run_collapse(cfg, out_dir, overwrite, resume, lm, stop_after, dev, info)
+    finally:
+        if info.active:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()  # no barrier: the other ranks stop after the search, rank 0 goes on
+
+
+def _run_collapse(cfg, out_dir, overwrite, resume, lm, stop_after, dev, info):
     from llmcompress.collapse import export as E
     from llmcompress.collapse.fitness import STATES_PREFIX
     from llmcompress.collapse.search import (
@@ -97,14 +118,12 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
     from llmcompress.io.load import load_model
     from llmcompress.io.rundir import claim, clean
     from llmcompress.progress import bar
-    from llmcompress.runtime import resolve_device, seed_everything
+    from llmcompress.runtime import seed_everything
 
-    out_dir = Path(out_dir)
-    cfg.validate()
-    dev, _ = resolve_device(device)
-    run_dir = claim(out_dir, overwrite=overwrite, resume=resume, stale=stale_files())
+    run_dir = claim(out_dir, overwrite=overwrite, resume=resume, stale=stale_files()) if info.is_main else None
     lm = lm or load_model(cfg.model, device=dev)
     L = lm.model.config.num_hidden_layers
+    cfg, plan = _sized(cfg, lm, out_dir, resume, info, L)
     cfg.validate(L)
     space = make_space(cfg, L)
     lo, hi = space.lo, space.hi
@@ -116,16 +135,44 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
     if resume:
         load_state(out_dir, cfg, cfg.model)  # wrong model/config: one-line error before any work
     seed_everything(cfg.seed)
-    run_dir.start()
-    clean(out_dir, [STATES_PREFIX + "*"])  # states spilled to disk by a killed run: never reused, even on --resume
-    evaluation = _evaluation_sources(cfg)
+    if info.is_main:
+        run_dir.start()
+        clean(out_dir, [STATES_PREFIX + "*"])  # states spilled to disk by a killed run: never reused, even on --resume
+    info.barrier()  # the other ranks spill their states into out_dir too (each its own temp dir)
+    evaluation = _evaluation_sources(cfg) if info.is_main else None
     ev = prepare(cfg, lm, cache_dir=out_dir)  # reads the calibration data: bad data fails before anything is written
-    write_json(out_dir / "config.json", cfg.to_dict())
+    if info.is_main:
+        write_json(out_dir / "config.json", cfg.to_dict())
     try:
         return _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar,
-                    evaluation)
+                    evaluation, plan)
     finally:
         ev.close()
+
+
+def _sized(cfg, lm, out_dir, resume, info, L):
+    """`--budget-minutes`: the config with tokens, population, generations, walk and tuning sized to the budget
+    (budget.py), and the plan's description for the report; a resumed run keeps the sizes it started with."""
+    import dataclasses
+    import json
+    import sys
+
+    if cfg.budget_minutes is None:
+        return cfg, None
+    from llmcompress.collapse import budget
+
+    saved = Path(out_dir) / "config.json"
+    if resume and saved.is_file():
+        old = json.loads(saved.read_text())
+        settings = {k: old[k] for k in budget.LADDER[0] if k in old}
+        return dataclasses.replace(cfg, **settings), f"--budget-minutes {cfg.budget_minutes:g}: resumed with the sizes chosen at the start"
+    sec = budget.measure(lm, cfg)
+    sec = info.broadcast(sec)  # every rank sizes the search alike
+    plan = budget.choose(cfg.budget_minutes, sec, n_layers=L, seq_len=cfg.seq_len, pareto=cfg.pareto, gelaco=cfg.method == "gelaco",
+                         batch=cfg.batch_blocks)
+    if info.is_main:
+        print(plan.describe(), file=sys.stderr)
+    return dataclasses.replace(cfg, **plan.settings), plan.describe()
 
 
 def _evaluation_sources(cfg) -> dict:
@@ -160,6 +207,7 @@ def _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar):
     `--save` chooses; each refined solution replaces its pick."""
     from llmcompress.collapse import tune as T
     from llmcompress.collapse.export import solution_record
+    from llmcompress.collapse.parallel import is_main
     from llmcompress.collapse.refine import STATE_FILE, refine
     from llmcompress.collapse.search import make_space
 
@@ -184,7 +232,7 @@ def _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar):
 
                 best = refine(ev, space, c, steps=cfg.refine_steps, screen_blocks=cfg.refine_screen_blocks, top=cfg.refine_top,
                               state_path=out_dir / STATE_FILE, on_step=tick).best
-        if _tunes(cfg) and best.first_changed() is not None:
+        if _tunes(cfg) and best.first_changed() is not None and is_main():  # not a collective step: rank 0 alone
             with bar(f"tune {c.n_layers} layers", total=cfg.tune_steps) as b:
                 tuned = T.tune(ev, best, steps=cfg.tune_steps, lr=cfg.tune_lr, per_kind=cfg.alpha_per_kind,
                                state_path=out_dir / T.STATE_FILE, on_step=lambda rec: b.advance(info=f"KL {rec['kl_batch']:.3f}"))
@@ -207,6 +255,17 @@ def _refined_text(cfg, refined: set[int]) -> str:
     return text
 
 
+def _settings_text(cfg, ev) -> str:
+    """What produced the rows: the search's settings and the baselines' data."""
+    n_cal, n_val = ev.refs["calib"].n_blocks, ev.refs["val"].n_blocks
+    text = (f"{cfg.method} rows: {n_cal} calibration and {n_val} validation blocks of {cfg.seq_len} tokens, population {cfg.population}, "
+            f"{cfg.generations} generations, walk {cfg.refine_steps} steps per phase / screen {cfg.refine_screen_blocks} blocks / top "
+            f"{cfg.refine_top}, {cfg.tune_steps if cfg.method == 'gelaco' else 0} tuning steps, KL top-{cfg.kl_topk} every "
+            f"{cfg.kl_stride}th position, candidate layers in {ev.compute_dtype} (fitness_dtype {cfg.fitness_dtype}), racing {'on' if cfg.racing else 'off'}, seed {cfg.seed}")
+    return text + (f"; baseline rows: ShortGPT's Block Influence and LaCo (threshold {cfg.laco_threshold}, {cfg.laco_blocks} block) on "
+                   f"the same calibration blocks")
+
+
 def _compare_counts(cfg, lo, hi, target) -> list[int]:
     if target is not None:
         return [target]
@@ -215,7 +274,7 @@ def _compare_counts(cfg, lo, hi, target) -> list[int]:
 
 
 def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar,
-         evaluation=None):
+         evaluation=None, plan=None):
     L = ev.n_layers
     target = cfg.resolved_target(L)
     counts = list(range(lo, hi + 1)) if cfg.method in ("shortgpt", "laco") and cfg.pareto else _compare_counts(cfg, lo, hi, target)
@@ -228,8 +287,9 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
             seeds = [c for c in seeds if all(a == 0.0 for g in c.alphas for t in g for a in t)]
         # every seed enters the evaluator's archive, even those beyond the population size, so the
         # selection below can never pick worse (on calibration) than a baseline at the same layer count
-        for c in seeds:
-            ev.evaluate(c)
+        from llmcompress.collapse.parallel import evaluate_many, world
+
+        evaluate_many(ev, seeds)
         with bar(f"collapse {cfg.method}", total=cfg.generations + 1) as b:
             def tick(g):
                 rec = g.record
@@ -241,6 +301,8 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
         picks = select_by_validation(ev, lo, hi)
         if (cfg.refine_steps > 0 or _tunes(cfg)) and picks:
             picks, refined = _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar)
+        if not world().is_main:  # the other ranks' share ends with the last collective step
+            return CollapseResult(out_dir, [], [])
     else:
         picks = [(c, ev.evaluate(c), ev.evaluate(c, "val")) for n, c in sorted(base[cfg.method].items()) if lo <= n <= hi]
     search_s = time.perf_counter() - t0
@@ -303,6 +365,7 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
         "eval_tokens": cfg.eval_tokens, "eval_seq_len": cfg.eval_seq_len, "piqa_limit": cfg.piqa_limit,
         "ppl_source": evaluation["ppl_source"], "ppl_protocol": ppl_protocol, "piqa_note": evaluation["piqa_note"],
         "selection": "per layer count, best calibration candidates re-ranked by validation fitness" + _refined_text(cfg, refined),
+        "settings": _settings_text(cfg, ev), "budget": plan,
         "config": cfg.to_dict(),
     }
     E.write_front(out_dir, records, baseline_rows, meta)

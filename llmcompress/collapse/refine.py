@@ -26,6 +26,7 @@ atomically after every move, so a resumed run continues it and ends where an uni
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from llmcompress.collapse.fitness import Evaluator, Reference, StateStore
+from llmcompress.collapse.parallel import evaluate_many, is_main
 from llmcompress.collapse.space import Candidate, Space
 
 SCREEN = "screen"
@@ -134,7 +136,24 @@ def add_screen(ev: Evaluator, blocks: int) -> None:
         return
     states = StateStore([s[:n] for s in calib.states.all()], float("inf"), device=calib.states.device)
     ev.refs[SCREEN] = Reference(calib.blocks[:n], states, calib.top_idx[:n], calib.top_logp[:n], calib.stride, "screen")
+    ev.split_batch[SCREEN] = 1  # racing checks its bound after every block
     ev.memo = {k: v for k, v in ev.memo.items() if k[0] != SCREEN}
+
+
+def screen(ev: Evaluator, neigh: list[Candidate], top: int) -> list:
+    """Screening fitness of every neighbour, with racing: a neighbour whose lower bound is already worse than
+    `top` fully screened ones cannot be among the `top` best and stops early (its value is then a lower
+    bound; the `top` best and their order are exactly those of screening every neighbour in full)."""
+    done: list[float] = []
+
+    def rule(c):
+        return lambda lb: len(done) >= top and lb > done[top - 1]
+
+    def learn(fit):
+        if not fit.partial:
+            bisect.insort(done, fit.fitness)
+
+    return evaluate_many(ev, neigh, SCREEN, rule, on_result=learn)
 
 
 def load_entry(path: Path | None, key: str) -> dict | None:
@@ -148,8 +167,8 @@ def load_entry(path: Path | None, key: str) -> dict | None:
 
 
 def save_entry(path: Path | None, key: str, entry: dict) -> None:
-    """Set entry `key` of a JSON state file, written atomically (None: keep nothing)."""
-    if path is None:
+    """Set entry `key` of a JSON state file, written atomically (None: keep nothing; under torchrun, rank 0 writes)."""
+    if path is None or not is_main():
         return
     from llmcompress.io.atomic import write_json
 
@@ -207,8 +226,10 @@ def refine(
             if not neigh:
                 local_opt = True
                 break
-            screened = sorted((ev.evaluate(n, SCREEN).fitness, k) for k, n in enumerate(neigh))
-            full = [(ev.evaluate(neigh[k]).fitness, k) for _, k in screened[:top]]
+            ev.evaluate(inc, SCREEN)  # its prefix states: most neighbours share a long prefix with it
+            screened = sorted((f.fitness, k) for k, f in enumerate(screen(ev, neigh, top)))
+            tops = [k for _, k in screened[:top]]
+            full = [(f.fitness, k) for k, f in zip(tops, evaluate_many(ev, [neigh[k] for k in tops]))]
             best_f, best_k = min(full)
             inc_f = ev.evaluate(inc).fitness
             rec = {"layers": inc.n_layers, "phase": phases[phase], "step": len(trajectory), "neighbours": len(neigh),

@@ -40,19 +40,50 @@ LOG_FILE = "search_log.jsonl"
 HV_REF_FITNESS = 3.0  # hypervolume reference point: (all layers, fitness 3.0 nats)
 
 
-class CollapseProblem(Problem):
-    """Minimize (layers, fitness) in Pareto mode, or fitness alone at a fixed budget."""
+def survival_rule(parents_F: np.ndarray | None, n_survive: int, pareto: bool):
+    """The racing rule of an offspring: callable(candidate) -> callable(lower bound) -> True when it cannot survive.
 
-    def __init__(self, space: Space, evaluator: Evaluator | None, pareto: bool) -> None:
+    pymoo's survival keeps `n_survive` of parents + offspring. An offspring whose fitness is surely worse than
+    that of `n_survive` parents with no more layers is dominated by all of them (GA: ranked after all of
+    them), so it ranks after a full population in every case: it is never kept, and neither the fronts
+    that fill the population nor their crowding distances depend on its exact value (NSGA-II's rank of an
+    individual depends only on the individuals that dominate it). Its evaluation may stop there. Only the
+    parents decide (not offspring scored before it), so the rule is the same on every rank under torchrun.
+    """
+    if parents_F is None or len(parents_F) < n_survive:
+        return None
+    F = np.asarray(parents_F, dtype=float)
+
+    def rule(cand: Candidate):
+        fit = F[:, 1] if pareto else F[:, 0]
+        fewer = F[:, 0] <= cand.n_layers if pareto else np.ones(len(F), dtype=bool)
+        return lambda lb: int(np.sum(fewer & (fit < lb))) >= n_survive
+
+    return rule
+
+
+class CollapseProblem(Problem):
+    """Minimize (layers, fitness) in Pareto mode, or fitness alone at a fixed budget.
+
+    With `racing`, offspring are scored with the survival rule of the current parents (`survival_rule`): a
+    pruned offspring gets its lower bound as fitness, which changes no survivor.
+    """
+
+    def __init__(self, space: Space, evaluator: Evaluator | None, pareto: bool, racing: bool = False) -> None:
         super().__init__(n_var=space.n_var, n_obj=2 if pareto else 1, xl=np.zeros(space.n_var), xu=space.upper, vtype=int)
-        self.space, self.evaluator, self.pareto = space, evaluator, pareto
+        self.space, self.evaluator, self.pareto, self.racing = space, evaluator, pareto, racing
+        self.algorithm = None  # set by run_search: the parents decide the racing rule
 
     def _evaluate(self, X, out, *args, **kwargs):
-        rows = []
-        for x in np.asarray(X).astype(int):
-            cand = self.space.decode(x)
-            fit = self.evaluator.evaluate(cand)
-            rows.append([cand.n_layers, fit.fitness] if self.pareto else [fit.fitness])
+        from llmcompress.collapse.parallel import evaluate_many
+
+        cands = [self.space.decode(x) for x in np.asarray(X).astype(int)]
+        rule = None
+        algo = self.algorithm
+        if self.racing and algo is not None and algo.pop is not None and len(algo.pop) > 0:
+            rule = survival_rule(algo.pop.get("F"), algo.pop_size, self.pareto)
+        fits = evaluate_many(self.evaluator, cands, "calib", rule)
+        rows = [[c.n_layers, f.fitness] if self.pareto else [f.fitness] for c, f in zip(cands, fits)]
         out["F"] = np.array(rows, dtype=float)
 
 
@@ -275,21 +306,25 @@ def run_search(
     """
     from pymoo.termination.max_gen import MaximumGenerationTermination
 
+    from llmcompress.collapse.parallel import is_main
     from llmcompress.io.atomic import append_jsonl, write_json
 
+    main = is_main()  # under torchrun only rank 0 writes; every rank takes the same steps
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     space = make_space(cfg, evaluator.n_layers, seeds)
     state = load_state(out_dir, cfg, model_id) if resume else None
     algo = make_algorithm(cfg, space, [space.encode(s) for s in seeds])
-    problem = CollapseProblem(space, evaluator, cfg.pareto)
+    problem = CollapseProblem(space, evaluator, cfg.pareto, racing=cfg.racing)
+    problem.algorithm = algo
     algo.setup(problem, termination=MaximumGenerationTermination(cfg.generations + 1), seed=cfg.seed, verbose=False)
     # candidates scored before an interruption: a resumed run counts evaluations as an uninterrupted one would
     evaluated = {_tuples(k) for k in state.get("evaluated", ())} if state is not None else set()
     if state is not None:
         restore_algorithm(state, algo, out_dir / STATE_FILE)
-        truncate_log(out_dir / LOG_FILE, algo.n_gen - 2)
-    else:
+        if main:
+            truncate_log(out_dir / LOG_FILE, algo.n_gen - 2)
+    elif main:
         (out_dir / LOG_FILE).unlink(missing_ok=True)
     history = []
     while algo.has_next():
@@ -301,6 +336,7 @@ def run_search(
             "gen": gen,
             "evaluations": len(evaluated | evaluator.calib_keys()),
             "evals_per_s": round(evaluator.stats.per_second, 4),
+            "pruned": evaluator.stats.pruned,
             "best_fitness_calib": best[1].fitness,
             "best_fitness_val": best[2].fitness,
             "best_kl_calib": best[1].kl,
@@ -312,9 +348,10 @@ def run_search(
                 for c, f, v in front
             ],
         }
-        append_jsonl(out_dir / LOG_FILE, record)
         evaluated |= evaluator.calib_keys()
-        write_json(out_dir / STATE_FILE, state_dict(algo, model_id, cfg, gen, evaluated))
+        if main:
+            append_jsonl(out_dir / LOG_FILE, record)
+            write_json(out_dir / STATE_FILE, state_dict(algo, model_id, cfg, gen, evaluated))
         g = Generation(gen, front, record)
         history.append(g)
         if on_generation is not None:
@@ -328,15 +365,35 @@ def select_by_validation(evaluator: Evaluator, lo: int, hi: int, top: int = 2) -
     """Per layer count, the `top` best candidates on calibration, re-ranked by validation; one per count.
 
     Every candidate the search evaluated is considered (the evaluator's archive), so the saved solutions
-    are chosen by a split the search never optimized on.
+    are chosen by a split the search never optimized on. Candidates that racing stopped early are finished
+    only when their lower bound could still place them among the `top` at their count: the picks equal
+    those of a search that scored every candidate in full.
     """
-    by_count: dict[int, list[tuple[Candidate, Fitness]]] = {}
+    from llmcompress.collapse.parallel import evaluate_many
+
+    by_count: dict[int, list[Candidate]] = {}
     for cand in evaluator.archive.values():
         if lo <= cand.n_layers <= hi:
-            by_count.setdefault(cand.n_layers, []).append((cand, evaluator.evaluate(cand)))
-    picks = []
-    for n in sorted(by_count):
-        ranked = sorted(by_count[n], key=lambda t: t[1].fitness)[:top]
-        scored = [(c, f, evaluator.evaluate(c, "val")) for c, f in ranked]
-        picks.append(min(scored, key=lambda t: t[2].fitness))
-    return picks
+            by_count.setdefault(cand.n_layers, []).append(cand)
+    while True:
+        todo = []
+        for cands in by_count.values():
+            full = sorted(f.fitness for c in cands if (f := evaluator.known(c)) is not None)
+            cut = full[top - 1] if len(full) >= top else math.inf
+            todo += [c for c in cands if evaluator.known(c) is None and evaluator.lower_bound(c) <= cut]
+        if not todo:
+            break
+        evaluate_many(evaluator, todo)
+    ranked = {n: sorted(((c, evaluator.known(c)) for c in cands if evaluator.known(c) is not None), key=lambda t: t[1].fitness)[:top]
+              for n, cands in by_count.items()}
+    counts = sorted(ranked)
+    # validation, with racing: the first of each count in full, then the others stop once their lower bound
+    # reaches the best so far at their count (min keeps the first of equals, so such a one is never picked)
+    best = {n: (ranked[n][0][0], ranked[n][0][1], v) for n, v in zip(counts, evaluate_many(evaluator, [ranked[n][0][0] for n in counts], "val"))}
+    for j in range(1, top):
+        rest = [(n, *ranked[n][j]) for n in counts if len(ranked[n]) > j]
+        rule = lambda c: (lambda lb, b=best[c.n_layers][2].fitness: lb >= b)  # noqa: E731
+        for (n, c, f), v in zip(rest, evaluate_many(evaluator, [c for _, c, _ in rest], "val", rule)):
+            if not v.partial and v.fitness < best[n][2].fitness:
+                best[n] = (c, f, v)
+    return [best[n] for n in counts]
