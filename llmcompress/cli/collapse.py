@@ -8,7 +8,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import AllowPickleOpt, DeviceOpt, ModelArg, OverwriteOpt, PushOpt, ResumeOpt
+from llmcompress.cli._options import (
+    AllowPickleOpt,
+    DeviceOpt,
+    DtypeOpt,
+    ModelArg,
+    OverwriteOpt,
+    PushOpt,
+    ResumeOpt,
+)
 
 
 class Method(str, enum.Enum):
@@ -38,6 +46,7 @@ def collapse_command(
     piqa_limit: Annotated[Optional[int], typer.Option("--piqa-limit", help="PIQA examples for the report (0 skips).")] = None,
     max_cache_gb: Annotated[Optional[float], typer.Option("--max-cache-gb", help="Memory for cached states; beyond it they go to disk.")] = None,
     device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for the saved checkpoint (default: the source model's dtype).")] = None,
     resume: ResumeOpt = False,
     allow_pickle: AllowPickleOpt = False,
@@ -50,7 +59,9 @@ def collapse_command(
 
     from llmcompress.collapse.config import METHODS, CollapseConfig, config_from_dict, load_spec
     from llmcompress.errors import UserError
+    from llmcompress.runtime import resolve_compute
 
+    dev, dt = resolve_compute(device, dtype, model)  # a missing GPU fails here, before anything is read or written
     cfg = load_spec(spec) if spec is not None else CollapseConfig()
     modes = [m for m in (pareto, target_layers is not None, ratio is not None) if m]
     if len(modes) > 1:
@@ -94,7 +105,7 @@ def collapse_command(
     note_output(out)
 
     with removed_if_left_empty(out):
-        result = run_collapse(cfg, out, overwrite=overwrite, resume=resume, device=device)
+        result = run_collapse(cfg, out, overwrite=overwrite, resume=resume, device=str(dev), dtype=dt)
     typer.echo(f"wrote {result.out_dir}: {len(result.front)} solution(s) on the front, {len(result.saved)} checkpoint(s)")
     for path in result.saved:
         typer.echo(f"  {path}")

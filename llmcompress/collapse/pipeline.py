@@ -68,7 +68,7 @@ def _record(ev, name, method, cand):
 
 
 def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False, resume: bool = False, lm=None, stop_after=None,
-                 device: str = "cpu") -> CollapseResult:
+                 device: str = "cpu", dtype=None) -> CollapseResult:
     """Run a collapse search (or a baseline) and write every output under `out_dir`.
 
     Args:
@@ -77,6 +77,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
         lm: an already loaded `LoadedModel` (else `cfg.model` is loaded).
         stop_after: stop the search after this generation (simulates an interruption).
         device: where the model, its cached states and every candidate run ("cpu", "cuda[:N]", "auto").
+        dtype: torch dtype the model is loaded and run in (None: float32; the CLI resolves --dtype).
     """
     from llmcompress.collapse import export as E
     from llmcompress.collapse.search import (
@@ -95,7 +96,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
     cfg.validate()
     dev, _ = resolve_device(device)
     check_out_dir(out_dir, overwrite=overwrite, resume=resume)
-    lm = lm or load_model(cfg.model, device=dev)
+    lm = lm or load_model(cfg.model, device=dev, dtype=dtype)
     L = lm.model.config.num_hidden_layers
     cfg.validate(L)
     space = make_space(cfg, L)

@@ -209,11 +209,13 @@ def quantize_for_export(model, tokenizer, to: str, opts: ExportOptions, progress
 
 
 def export_model(src: str, to: str, out: Path, opts: ExportOptions | None = None, *, overwrite: bool = False,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, device="cpu", dtype=None) -> dict:
     """Load `src` (alias, HF dir, llmcompress output, .gguf), quantize by `opts`, write `to` at `out`.
 
     to="gguf": one file at `out`; to="compressed-tensors": a directory. Returns a summary dict (also written
     next to a compressed-tensors checkpoint in its manifest; for GGUF, in its `llmcompress.*` fields).
+    device, dtype: where and in which dtype the model is loaded and quantized (None: float32); the files
+    are written from the CPU, in the save dtype.
     """
     from llmcompress.io.load import load_model
 
@@ -221,7 +223,7 @@ def export_model(src: str, to: str, out: Path, opts: ExportOptions | None = None
     opts.validate(to)
     out = Path(out)
     _refuse_existing(out, overwrite)
-    lm = load_model(src)
+    lm = load_model(src, device=device, dtype=dtype)
     return export_loaded(lm, to, out, opts, overwrite=overwrite, progress=progress)
 
 
@@ -241,6 +243,8 @@ def export_loaded(lm, to: str, out: Path, opts: ExportOptions, *, overwrite: boo
     dtype = opts.save_dtype or source_dtype_of(lm)
     if qweights is None:
         qweights, info = quantize_for_export(model, tok, to, opts, progress=progress)
+    if next(model.parameters()).device.type != "cpu":  # the writers read tensors from host memory
+        model.to("cpu")
     info = dict(info or {})
     summary: dict[str, Any] = {"format": to, "source": lm.source, "float_dtype": dtype,
                                "parameters": sum(p.numel() for p in model.parameters()), **info}

@@ -154,7 +154,6 @@ class LayerRunner:
         self.device = torch.device(device) if device is not None else next(p.device for p in model.parameters() if p.device.type != "meta")
         self.dtype = dtype
         self.batch = batch
-        self._handles: dict[Path, object] = {}
 
     @property
     def streamed(self) -> bool:
@@ -193,22 +192,23 @@ class LayerRunner:
         runner._load_resident()
         return runner
 
-    def _file(self, key: str):
+    def _load(self, names: list[str]) -> None:
+        """Read the tensors `names` from their files into the skeleton (on the device, in the compute dtype).
+        Each file is opened for this call only: an open safetensors handle keeps its memory map, and the
+        pages read through it would stay resident (and counted) until it closes."""
+        from accelerate.utils import set_module_tensor_to_device
         from safetensors import safe_open
 
-        f = self.files[key]
-        if f not in self._handles:
-            self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
-        return self._handles[f]
-
-    def _load(self, names: list[str]) -> None:
-        from accelerate.utils import set_module_tensor_to_device
-
+        by_file: dict[Path, list[str]] = {}
         for name in names:
-            key = self.keys[name]
-            value = self._file(key).get_tensor(key)
-            set_module_tensor_to_device(self.model, name, self.device, value=value,
-                                        dtype=self.dtype if value.is_floating_point() else None)
+            by_file.setdefault(self.files[self.keys[name]], []).append(name)
+        for f, group in by_file.items():
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                for name in group:
+                    value = h.get_tensor(self.keys[name])
+                    set_module_tensor_to_device(self.model, name, self.device, value=value,
+                                                dtype=self.dtype if value.is_floating_point() else None)
+                    del value
 
     def _layer_prefix(self, i: int) -> str:
         return f"{self.adapter.layers}.{i}."
@@ -301,7 +301,7 @@ class LayerRunner:
             return self.adapter.head(self.model)(self.adapter.norm(self.model)(hidden))
 
     def close(self) -> None:
-        self._handles.clear()
+        """Nothing stays open between layers; kept so callers can close a runner either way."""
 
 
 def _index(path: Path) -> dict[str, Path]:
