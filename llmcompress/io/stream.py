@@ -192,6 +192,16 @@ class LayerRunner:
         runner._load_resident()
         return runner
 
+    def _keep_source_dtype(self, name: str, value) -> bool:
+        """The token embedding and the head stay in the checkpoint's dtype when it is narrower than the
+        compute dtype (a bf16 checkpoint computed in float32: half the bytes of the largest resident
+        tensor); `embed` and `logits` widen what they produce, so the values are those of float32."""
+        import torch
+
+        big = {f"{self.adapter.embed}.weight", f"{self.adapter.lm_head}.weight"}
+        return (name in big and self.dtype is not None and value.is_floating_point()
+                and torch.finfo(value.dtype).bits < torch.finfo(self.dtype).bits)
+
     def _load(self, names: list[str]) -> None:
         """Read the tensors `names` from their files into the skeleton (on the device, in the compute dtype).
         Each file is opened for this call only: an open safetensors handle keeps its memory map, and the
@@ -206,8 +216,9 @@ class LayerRunner:
             with safe_open(str(f), framework="pt", device="cpu") as h:
                 for name in group:
                     value = h.get_tensor(self.keys[name])
+                    keep = self._keep_source_dtype(name, value)
                     set_module_tensor_to_device(self.model, name, self.device, value=value,
-                                                dtype=self.dtype if value.is_floating_point() else None)
+                                                dtype=self.dtype if value.is_floating_point() and not keep else None)
                     del value
 
     def _layer_prefix(self, i: int) -> str:
@@ -257,6 +268,7 @@ class LayerRunner:
 
             for name in names:
                 set_module_tensor_to_device(self.model, name, "meta")
+            _return_freed_memory()
 
     def embed(self, blocks: torch.Tensor) -> list[torch.Tensor]:
         """Input of decoder layer 0 for `blocks` (n, T), as a list of per-batch tensors (`self.batch` blocks each).
@@ -279,7 +291,8 @@ class LayerRunner:
                         self.model(input_ids=b.to(self.device), use_cache=False)
                     except _Stop:
                         pass
-                    out.append(got.pop("h"))
+                    h = got.pop("h")
+                    out.append(h.to(self.dtype) if self.dtype is not None and h.is_floating_point() else h)
         finally:
             hook.remove()
         return out
@@ -296,12 +309,39 @@ class LayerRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits from the last layer's output: final norm, then the head."""
         import torch
+        import torch.nn.functional as F
 
+        head = self.adapter.head(self.model)
         with torch.no_grad():
-            return self.adapter.head(self.model)(self.adapter.norm(self.model)(hidden))
+            x = self.adapter.norm(self.model)(hidden)
+            if head.weight.dtype == x.dtype:
+                return head(x)
+            # a narrower resident head (see _keep_source_dtype): widened a slice of rows at a time
+            W, b = head.weight, getattr(head, "bias", None)
+            step = 8192
+            return torch.cat([F.linear(x, W[a : a + step].to(x.dtype), None if b is None else b[a : a + step].to(x.dtype))
+                              for a in range(0, W.shape[0], step)], dim=-1)
 
     def close(self) -> None:
         """Nothing stays open between layers; kept so callers can close a runner either way."""
+
+
+def _return_freed_memory() -> None:
+    """Give freed heap pages back to the OS after a layer is dropped (glibc's malloc keeps them otherwise,
+    and a streamed run's resident memory creeps up layer by layer). No-op where there is no glibc."""
+    import ctypes
+
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
 
 
 def _index(path: Path) -> dict[str, Path]:

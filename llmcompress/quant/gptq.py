@@ -37,19 +37,22 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
         raise ValueError(f"group size {group_size} does not divide the input width {inp}")
     block = max(group_size, (block // group_size) * group_size)
     W = W.detach().float().clone()
-    H = H.detach().double().clone().to(W.device)
+    H = H.detach().to(device=W.device, dtype=torch.float64, copy=True)
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    H += damp * torch.diag(H).mean() * torch.eye(inp, dtype=H.dtype, device=H.device)
+    H.diagonal().add_(damp * torch.diag(H).mean())  # + damp * mean(diag) * I, without an (in, in) identity
     if act_order:
         static = P.quant_params(W, bits, group_size, sym)  # static groups, from the uncompensated weights
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
-        W, H = W[:, perm], H[perm][:, perm]
+        W, H = W[:, perm], H[perm[:, None], perm]
     else:
         perm = torch.arange(inp, device=W.device)
-    try:
-        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    try:  # step by step, freeing each (in, in) float64 matrix once used: a 5632-wide layer's are 254 MB each
+        Hinv = torch.linalg.cholesky(H)
+        del H
+        Hinv = torch.cholesky_inverse(Hinv)
+        Hinv = torch.linalg.cholesky(Hinv, upper=True).float()
     except RuntimeError:  # not positive definite even after damping: fall back to RTN
         return P.quantize(W[:, torch.argsort(perm)], bits, group_size, sym=sym)
     qmax = 2**bits - 1
@@ -125,7 +128,8 @@ def layer_hessians(runner, i: int, layer: nn.Module, fqns: list[str], hidden: li
         for hk in hooks:
             hk.remove()
     n = max(n, 1)
-    return outs, {name: sums[owner[name]] / n for name in mods if name in owner}
+    means = {first: h.div_(n) for first, h in sums.items()}
+    return outs, {name: means[owner[name]] for name in mods if name in owner}  # shared inputs: one tensor
 
 
 INPUTS = ("dense", "quantized")
