@@ -238,3 +238,44 @@ def test_streamed_peak_memory_is_a_few_layers(tiny_hf_dir, tmp_path):
     assert streamed["nll"] == pytest.approx(mem["nll"], rel=1e-6)
     assert mem["delta"] > 0.9 * total  # the in-memory arm holds every layer
     assert streamed["delta"] < 4 * layer, (streamed["delta"] / layer, total / layer)
+
+
+def _read_all(folder):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("quant", ["gptq", "rtn"])
+def test_streamed_compressed_tensors_export_equals_in_memory(quant, tiny_hf_dir, tmp_path, capsys):
+    """export --to compressed-tensors above --max-memory: written layer by layer, one shard each, with the
+    same tensors and quantization config as the in-memory export."""
+    from llmcompress.cli import app
+    from llmcompress.cli._errors import run_app
+
+    text = tmp_path / "calib.txt"
+    text.write_text("calibration text for a tiny model, with some variety: 0123456789 abcdefghij. " * 80)
+    common = ["export", str(tiny_hf_dir), "--to", "compressed-tensors", "--quant", quant, "--bits", "4", "--group-size", "32",
+              "--calib-data", str(text), "--device", "cpu", "--json"]
+    outs = {}
+    for arm, extra in (("memory", []), ("stream", ["--max-memory", "0"])):
+        capsys.readouterr()
+        code = run_app(app, common + ["--out", str(tmp_path / arm)] + extra)
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        outs[arm] = (json.loads(out), err)
+    assert "streaming its layers" in outs["stream"][1] and "streaming" not in outs["memory"][1]
+    assert outs["stream"][0]["streamed"] is True and len(list((tmp_path / "stream").glob("*.safetensors"))) == 5
+    a, b = _read_all(tmp_path / "memory"), _read_all(tmp_path / "stream")
+    assert sorted(a) == sorted(b) and any(k.endswith("weight_packed") for k in a)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    cfg_a = json.loads((tmp_path / "memory" / "config.json").read_text())
+    cfg_b = json.loads((tmp_path / "stream" / "config.json").read_text())
+    assert cfg_a["quantization_config"] == cfg_b["quantization_config"]
+    assert outs["memory"][0]["parameters"] == outs["stream"][0]["parameters"]
+    index = json.loads((tmp_path / "stream" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(b)

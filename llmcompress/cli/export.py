@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import DeviceOpt, DtypeOpt, ModelArg, OverwriteOpt
+from llmcompress.cli._options import DeviceOpt, DtypeOpt, MaxMemoryOpt, ModelArg, OverwriteOpt
 
 
 def export_command(
@@ -25,17 +25,20 @@ def export_command(
     seed: Annotated[int, typer.Option("--seed", help="Random seed (calibration blocks).")] = 0,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    max_memory: MaxMemoryOpt = None,
     overwrite: OverwriteOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Quantize a model (RTN or GPTQ, or a nas plan) and write GGUF or compressed-tensors."""
     from llmcompress.export.api import ExportOptions, export_model
+    from llmcompress.io.stream import parse_memory
     from llmcompress.runtime import resolve_compute
 
     dev, dt = resolve_compute(device, dtype, model)  # a missing GPU fails here, before anything is written
+    budget = parse_memory(max_memory)
     opts = ExportOptions(bits=bits, quant=quant, group_size=group_size, sym=sym, plan=plan, save_dtype=save_dtype,
                          calib_source=calib_data, seed=seed)
-    summary = export_model(model, to, out, opts, overwrite=overwrite, device=dev, dtype=dt)
+    summary = export_model(model, to, out, opts, overwrite=overwrite, device=dev, dtype=dt, max_memory=budget)
     if as_json:
         typer.echo(json.dumps(summary, indent=2, default=str))
         return

@@ -144,7 +144,7 @@ def gptq_layerwise_(runner, plan: MixedPrecisionPlan, blocks: torch.Tensor, *, a
     integers, equal those of one pass of the unquantized model: `input_hessians`); "quantized": from the
     already quantized previous layers (sequential GPTQ, as llm-compressor runs it).
     sink(i, {fqn: QuantizedWeight}): receives each layer's integers instead of returning them (a streamed
-    run then holds no integers either). Quantized weights replace the layer's weights (dequantized), in
+    run then holds no integers either), while layer i is still loaded. Quantized weights replace the layer's weights (dequantized), in
     place; a streamed layer is freed after. Linears outside the decoder layers are not quantized here.
     """
     import torch
@@ -180,11 +180,11 @@ def gptq_layerwise_(runner, plan: MixedPrecisionPlan, blocks: torch.Tensor, *, a
             del hessians
             if inputs == "quantized" and mine:
                 outs = [runner.run(i, layer, h) for h in hidden]
+            if sink is not None:  # while the layer is loaded: a writer can take its other tensors too
+                sink(i, got)
+            else:
+                out.update(got)
         hidden = outs
-        if sink is not None:
-            sink(i, got)
-        else:
-            out.update(got)
     return out
 
 
