@@ -12,29 +12,62 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 def resolve_device(name: str = "auto") -> tuple[torch.device, str]:
-    """Return (device, reason). `auto` takes a GPU when one is present."""
+    """Return (device, reason). `auto` takes a GPU when one is present; `cuda` / `cuda:N` without that GPU
+    is a UserError (one line, exit 2), raised before anything is loaded or written."""
+    import re
+
     import torch
 
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda"), "auto: CUDA device found"
         return torch.device("cpu"), "auto: no CUDA device, using CPU"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {name} asked for but no CUDA device is available", "use --device cpu or auto")
-    if name not in ("cpu",) and not name.startswith("cuda"):
-        raise UserError(f"unknown device {name!r}", "use auto, cpu or cuda")
+    if name != "cpu" and not re.fullmatch(r"cuda(:\d+)?", name):
+        raise UserError(f"unknown device {name!r}", "use auto, cpu, cuda or cuda:N")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {name} asked for but no CUDA device is available", "use --device cpu or auto")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)",
+                            f"use cuda:0..cuda:{torch.cuda.device_count() - 1}")
     return torch.device(name), "asked for"
 
 
-def resolve_dtype(name: str = "float32") -> torch.dtype:
+def resolve_dtype(name: str = "auto", device=None, source_dtype: str | None = None) -> torch.dtype:
+    """The compute dtype for `--dtype NAME` on `device`. auto: the source's dtype (`source_dtype`, as
+    io.dtypes.detect_source_dtype names it) on a GPU; float32 on the CPU, where bf16/fp16 math is slow
+    (no native kernels on most CPUs) and inexact."""
     import torch
 
-    if name not in DTYPES:
-        raise UserError(f"unknown dtype {name!r}", f"use one of {', '.join(DTYPES)}")
+    if name not in DTYPE_CHOICES:
+        raise UserError(f"unknown dtype {name!r}", f"use one of {', '.join(DTYPE_CHOICES)}")
+    if name == "auto":
+        on_gpu = device is not None and torch.device(device).type == "cuda"
+        name = (source_dtype if source_dtype in DTYPES else "float32") if on_gpu else "float32"
     return getattr(torch, name)
+
+
+def source_dtype_of_spec(spec: str) -> str:
+    """The dtype a model spec (alias, directory, .gguf, hub id) is distributed in, without loading it."""
+    from llmcompress.io.dtypes import detect_source_dtype
+    from llmcompress.io.load import resolve
+
+    return detect_source_dtype(*resolve(spec))
+
+
+def resolve_compute(device: str = "auto", dtype: str = "auto", model: str | None = None) -> tuple[torch.device, torch.dtype]:
+    """`--device` and `--dtype` of any command, resolved once at the edge: (torch.device, torch.dtype).
+    `model` is read (its config only) only when dtype is auto on a GPU. Raises UserError."""
+    if dtype not in DTYPE_CHOICES:  # both names checked before torch touches a device
+        raise UserError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPE_CHOICES)}")
+    dev, _ = resolve_device(device)
+    source = source_dtype_of_spec(model) if (dtype == "auto" and dev.type == "cuda" and model is not None) else None
+    return dev, resolve_dtype(dtype, dev, source)
 
 
 def autocast(device, precision: str = "fp32"):

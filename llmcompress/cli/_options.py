@@ -16,8 +16,11 @@ ModelArg = Annotated[str, typer.Argument(help="Model: alias (smollm2-135m), HF d
 EngineModelArg = Annotated[Optional[str], typer.Argument(
     help="Model: alias, HF directory, .gguf file or hub id (default: the --spec's, else smollm2-135m).", show_default=False)]
 SpecOpt = Annotated[Optional[Path], typer.Option("--spec", help="YAML spec of config fields (CLI flags override its fields).")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda (auto takes a GPU when present).")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N (auto takes a GPU when present).")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto | bfloat16 | float16 | float32: compute dtype (auto: the source's dtype on a GPU, float32 on the CPU).")]
+MaxMemoryOpt = Annotated[Optional[str], typer.Option(
+    "--max-memory", help="Memory budget for the model, e.g. 8GiB or 500MB (default: the memory this machine has "
+    "available). A model larger than it is streamed from disk layer by layer; 0 always streams.")]
 OutOpt = Annotated[Path, typer.Option("--out", help="Output directory (refused if it exists, unless --overwrite).")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]

@@ -10,6 +10,7 @@ import typer
 from llmcompress.cli._options import (
     AllowPickleOpt,
     DeviceOpt,
+    DtypeOpt,
     EngineModelArg,
     OverwriteOpt,
     PushOpt,
@@ -41,6 +42,7 @@ def collapse_command(
     budget_minutes: Annotated[Optional[float], typer.Option("--budget-minutes", help="Size the search (tokens, population, walk) to about this many minutes, from a short measurement of evaluation speed; the report says what it chose.")] = None,
     max_cache_gb: Annotated[Optional[float], typer.Option("--max-cache-gb", help="Memory for cached states; beyond it they go to disk.")] = None,
     device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for the saved checkpoint (default: the source model's dtype).")] = None,
     resume: ResumeOpt = False,
     allow_pickle: AllowPickleOpt = False,
@@ -53,7 +55,9 @@ def collapse_command(
 
     from llmcompress.collapse.config import CollapseConfig, config_from_dict, load_spec
     from llmcompress.errors import UserError
+    from llmcompress.runtime import resolve_compute
 
+    dev, dt = resolve_compute(device, dtype, model)  # a missing GPU fails here, before anything is read or written
     cfg = load_spec(spec) if spec is not None else CollapseConfig()
     modes = [m for m in (pareto, target_layers is not None, ratio is not None) if m]
     if len(modes) > 1:
@@ -99,7 +103,7 @@ def collapse_command(
         note_output(out)
 
     with removed_if_left_empty(out) if main else contextlib.nullcontext():
-        result = run_collapse(cfg, out, overwrite=overwrite, resume=resume, device=device)
+        result = run_collapse(cfg, out, overwrite=overwrite, resume=resume, device=str(dev), dtype=dt)
     if not main:
         return
     typer.echo(f"wrote {result.out_dir}: {len(result.front)} solution(s) on the front, {len(result.saved)} checkpoint(s)")

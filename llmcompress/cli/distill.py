@@ -11,6 +11,7 @@ import typer
 from llmcompress.cli._options import (
     AllowPickleOpt,
     DeviceOpt,
+    DtypeOpt,
     EngineModelArg,
     OverwriteOpt,
     PushOpt,
@@ -51,6 +52,7 @@ def distill_command(
     eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help=f"WikiText-2 test tokens for the report's perplexities (0 skips; default {D.eval_tokens}).")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads (default: torch's choice).")] = None,
     device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     seed: Annotated[Optional[int], typer.Option("--seed", help=f"Random seed (default {D.seed}).")] = None,
     overwrite: OverwriteOpt = False,
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for the saved checkpoint (default: the source model's dtype).")] = None,
@@ -67,7 +69,13 @@ def distill_command(
     from llmcompress.distill.config import DistillConfig, config_from_dict, load_spec
     from llmcompress.errors import UserError
     from llmcompress.io.atomic import check_out_dir
+    from llmcompress.runtime import resolve_compute
 
+    # auto is float32 here on any device: the student is cut from the teacher and trained in its dtype
+    dev, dt = resolve_compute(device, "float32" if dtype == "auto" else dtype)  # a missing GPU fails here, before anything is written
+    if str(dt) != "torch.float32":
+        raise UserError(f"distill trains the student's weights in float32, not {dtype}",
+                        "pass --dtype float32 (or auto) and --precision bf16 for bfloat16 compute")
     if out is None:
         raise UserError("--out is required", "e.g. --out distilled/")
     from llmcompress.io.hub import check_push, push
@@ -99,9 +107,6 @@ def distill_command(
     note_output(out)
     from llmcompress.distill.dist import from_env, shutdown
     from llmcompress.distill.engine import distill
-    from llmcompress.runtime import resolve_device
-
-    dev, _ = resolve_device(device)
     info = from_env(dev.type)
     try:
         result = distill(cfg, out, device=str(dev), overwrite=overwrite, resume=resume, dist=info, keep_work=keep_work)
@@ -115,3 +120,4 @@ def distill_command(
         typer.echo(f"training wall time {m['train_wall_s']:.1f}s, peak memory {m['peak_rss_mb']:.0f} MiB; report: {out / 'report.md'}")
         if push_to_hub:
             typer.echo(f"pushed {result.student_dir} to {push_to_hub}: {push(result.student_dir, push_to_hub)}")
+

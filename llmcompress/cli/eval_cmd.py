@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import AllowPickleOpt, DeviceOpt, DtypeOpt, OverwriteOpt, TrustOpt
+from llmcompress.cli._options import AllowPickleOpt, DeviceOpt, DtypeOpt, MaxMemoryOpt, OverwriteOpt, TrustOpt
 
 
 def eval_command(
@@ -29,8 +29,9 @@ def eval_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     out: Annotated[Optional[Path], typer.Option("--out", "--output-path", help="Write report.json, report.md and (with --tasks) lm-eval's results JSON under lm_eval/ here.")] = None,
     overwrite: OverwriteOpt = False,
-    dtype: DtypeOpt = "float32",
+    dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
+    max_memory: MaxMemoryOpt = None,
     trust_remote_code: TrustOpt = False,
     allow_pickle: AllowPickleOpt = False,
 ) -> None:
@@ -40,8 +41,11 @@ def eval_command(
     from llmcompress.eval.report import EvalSpec, evaluate, json_rows, table_rows, write_report
     from llmcompress.io.atomic import check_out_dir
     from llmcompress.io.load import ALIASES, DEFAULT_MODEL, alias_gguf_path, load_model, resolve
-    from llmcompress.runtime import resolve_device, resolve_dtype
+    from llmcompress.io.stream import parse_memory, should_stream
+    from llmcompress.runtime import resolve_compute
 
+    dev, _ = resolve_compute(device, dtype)  # a missing GPU fails here, before anything is read or written
+    budget = parse_memory(max_memory)
     models = models or [DEFAULT_MODEL]
     if log_samples and (out is None or not tasks.strip()):
         raise UserError("--log-samples needs lm-eval tasks and a place to write them", "pass --tasks and --out")
@@ -85,10 +89,16 @@ def eval_command(
 
         for data in spec.ppl:  # unknown dataset / empty file: fail before loading any model
             load_texts(data)
-    dev, _ = resolve_device(device)
     rows = []
     for m in models:
-        lm = load_model(m, dtype=resolve_dtype(dtype), device=dev, trust_remote_code=trust_remote_code)
+        _, dt = resolve_compute(device, dtype, m)
+        streamed = should_stream(m, dt, dev, budget, what="perplexity") if runtime == "torch" else None
+        if streamed is not None:  # larger than the budget: perplexity layer by layer from disk
+            from llmcompress.eval.report import evaluate_streamed
+
+            rows.append(evaluate_streamed(m, streamed, spec, dtype=dt, device=dev))
+            continue
+        lm = load_model(m, dtype=dt, device=dev, trust_remote_code=trust_remote_code)
         rows.append(evaluate(lm, spec, path=ggufs.get(m) or (m if Path(m).exists() else None)))
         if runtime == "llama.cpp":  # the same weights in llama.cpp, next to their torch row
             rows[-1]["model"] = f"{m} [torch]"

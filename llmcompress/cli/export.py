@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcompress.cli._options import ModelArg, OverwriteOpt
+from llmcompress.cli._options import DeviceOpt, DtypeOpt, MaxMemoryOpt, ModelArg, OverwriteOpt
 
 
 def export_command(
@@ -23,15 +23,22 @@ def export_command(
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for unquantized tensors (default: the source's dtype).")] = None,
     calib_data: Annotated[Optional[str], typer.Option("--calib-data", help="GPTQ calibration data (default: as nas, wikitext2 valid).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Random seed (calibration blocks).")] = 0,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    max_memory: MaxMemoryOpt = None,
     overwrite: OverwriteOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Quantize a model (RTN or GPTQ, or a nas plan) and write GGUF or compressed-tensors."""
     from llmcompress.export.api import ExportOptions, export_model
+    from llmcompress.io.stream import parse_memory
+    from llmcompress.runtime import resolve_compute
 
+    dev, dt = resolve_compute(device, dtype, model)  # a missing GPU fails here, before anything is written
+    budget = parse_memory(max_memory)
     opts = ExportOptions(bits=bits, quant=quant, group_size=group_size, sym=sym, plan=plan, save_dtype=save_dtype,
                          calib_source=calib_data, seed=seed)
-    summary = export_model(model, to, out, opts, overwrite=overwrite)
+    summary = export_model(model, to, out, opts, overwrite=overwrite, device=dev, dtype=dt, max_memory=budget)
     if as_json:
         typer.echo(json.dumps(summary, indent=2, default=str))
         return

@@ -9,6 +9,8 @@ import typer
 
 from llmcompress.cli._options import (
     AllowPickleOpt,
+    DeviceOpt,
+    DtypeOpt,
     EngineModelArg,
     OverwriteOpt,
     PushOpt,
@@ -45,6 +47,8 @@ def nas_command(
     spec: SpecOpt = None,
     export: Annotated[Optional[str], typer.Option("--export", help="Deployable formats next to hf/: gguf, compressed-tensors (comma-separated).")] = None,
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for saved float tensors (default: the source model's dtype).")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     resume: ResumeOpt = False,
     allow_pickle: AllowPickleOpt = False,
     overwrite: OverwriteOpt = False,
@@ -54,7 +58,9 @@ def nas_command(
     """Search layer skips, MLP widths and per-layer bit widths under a latency/size/bits target; save hf/ (dequantized) and --export gguf/compressed-tensors."""
     from llmcompress.errors import UserError
     from llmcompress.nas.config import NasConfig, config_from_dict, load_spec
+    from llmcompress.runtime import resolve_compute
 
+    dev, dt = resolve_compute(device, dtype, model)  # a missing GPU fails here, before anything is written
     if out is None:
         raise UserError("--out is required", "pass --out DIR")
     from llmcompress.io.hub import check_push, push
@@ -84,7 +90,7 @@ def nas_command(
     from llmcompress.nas.pipeline import run_nas
 
     with removed_if_left_empty(out):
-        run = run_nas(cfg, out, overwrite=overwrite, resume=resume)
+        run = run_nas(cfg, out, overwrite=overwrite, resume=resume, device=str(dev), dtype=dt)
     a = run.arch
     typer.echo(f"wrote {run.out_dir}: avg bits {a['avg_bits']:.2f}, modeled latency {a['modeled_latency']:.3f}, "
                f"size {a['size_mb']:.1f} MB, hf/ (dequantized, {a.get('hf_dtype')}) {a.get('hf_disk_mb', 0):.1f} MB")

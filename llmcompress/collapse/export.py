@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import csv
 import io
 from pathlib import Path
@@ -11,13 +10,14 @@ from llmcompress.collapse.operator import collapse_group
 from llmcompress.collapse.space import Candidate
 from llmcompress.io.adapters import get_adapter
 from llmcompress.io.atomic import atomic_path, write_json, write_text
-from llmcompress.io.surgery import replace_layers
+from llmcompress.io.surgery import replace_layers, shared_copy
 from llmcompress.table import fmt, markdown_table
 
 
 def build_model(model, cand: Candidate):
-    """A new model (deep copy) whose decoder layers are the candidate's collapsed groups."""
-    new = copy.deepcopy(model)
+    """A new model whose decoder layers are the candidate's collapsed groups. It shares every tensor it does
+    not change with `model` (kept layers, embeddings, head: no second full copy); merged layers are new."""
+    new = shared_copy(model)
     adapter = get_adapter(new)
     layers = list(adapter.decoder_layers(new))
     built = [collapse_group([layers[i] for i in grp], cand.alpha_dicts(g), adapter.kind_of) for g, grp in enumerate(cand.groups)]

@@ -77,7 +77,7 @@ def _record(ev, name, method, cand):
 
 
 def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False, resume: bool = False, lm=None, stop_after=None,
-                 device: str = "cpu") -> CollapseResult:
+                 device: str = "cpu", dtype=None) -> CollapseResult:
     """Run a collapse search (or a baseline) and write every output under `out_dir`.
 
     Args:
@@ -86,6 +86,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
         lm: an already loaded `LoadedModel` (else `cfg.model` is loaded).
         stop_after: stop the search after this generation (simulates an interruption).
         device: where the model, its cached states and every candidate run ("cpu", "cuda[:N]", "auto").
+        dtype: torch dtype the model is loaded and run in (None: float32; the CLI resolves --dtype).
     """
     from llmcompress.collapse.parallel import from_env
     from llmcompress.runtime import resolve_device
@@ -95,7 +96,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
     dev, _ = resolve_device(device)
     info = from_env(dev.type)  # under torchrun: each rank scores a slice of every population; rank 0 writes
     try:
-        return _run_collapse(cfg, out_dir, overwrite, resume, lm, stop_after, dev, info)
+        return _run_collapse(cfg, out_dir, overwrite, resume, lm, stop_after, dev, info, dtype)
     finally:
         if info.active:
             import torch.distributed as dist
@@ -104,7 +105,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
                 dist.destroy_process_group()  # no barrier: the other ranks stop after the search, rank 0 goes on
 
 
-def _run_collapse(cfg, out_dir, overwrite, resume, lm, stop_after, dev, info):
+def _run_collapse(cfg, out_dir, overwrite, resume, lm, stop_after, dev, info, dtype):
     from llmcompress.collapse import export as E
     from llmcompress.collapse.fitness import STATES_PREFIX
     from llmcompress.collapse.search import (
@@ -121,7 +122,7 @@ def _run_collapse(cfg, out_dir, overwrite, resume, lm, stop_after, dev, info):
     from llmcompress.runtime import seed_everything
 
     run_dir = claim(out_dir, overwrite=overwrite, resume=resume, stale=stale_files()) if info.is_main else None
-    lm = lm or load_model(cfg.model, device=dev)
+    lm = lm or load_model(cfg.model, device=dev, dtype=dtype)
     L = lm.model.config.num_hidden_layers
     cfg, plan = _sized(cfg, lm, out_dir, resume, info, L)
     cfg.validate(L)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -95,6 +96,47 @@ def wikitext2_spec(eval_tokens: int, seq_len: int) -> EvalSpec:
 
 
 WIKITEXT2_PPL = "ppl/wikitext2"  # the key `measure` gives WikiText-2 perplexity under
+
+
+def evaluate_streamed(spec_name: str, path, spec: EvalSpec, *, dtype=None, device="cpu") -> dict:
+    """`evaluate` for a model streamed layer by layer from the safetensors directory `path` (a model larger
+    than the memory budget): perplexity only; lm-eval tasks and speed need the whole model and are skipped,
+    with a notice."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from llmcompress.eval.speed import peak_rss_mb
+    from llmcompress.io.stream import LayerRunner, streamed_nll
+
+    skipped = [what for what, asked in (("lm-eval tasks", bool(spec.tasks)), ("speed", spec.speed)) if asked]
+    if skipped:
+        print(f"notice: {spec_name} is streamed: {' and '.join(skipped)} skipped (they need the whole model in memory)", file=sys.stderr)
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    runner = LayerRunner.open(path, dtype=dtype, device=device, batch=spec.batch_size)
+    from llmcompress.eval.perplexity import check_seq_len, perplexity_blocks
+
+    check_seq_len(runner.model, spec.seq_len)
+    row: dict = {"model": spec_name, "family": runner.adapter.family, "layers": runner.n_layers,
+                 "disk_bytes": sum(f.stat().st_size for f in Path(path).glob("*.safetensors")),
+                 "streamed": True}
+    try:
+        for data in spec.ppl:
+            t_data = time.perf_counter()
+            blocks = perplexity_blocks(tok, data, seq_len=spec.seq_len, max_tokens=spec.max_tokens)
+            nll, n = streamed_nll(runner, blocks, description=f"ppl {data} (streamed)")
+            row[f"ppl/{data}"] = math.exp(nll / n)
+            row[f"ppl/{data}/tokens_scored"] = n
+            row[f"ppl/{data}/windows"] = int(blocks.shape[0])
+            row[f"ppl/{data}/tokens_per_s"] = blocks.numel() / max(1e-9, time.perf_counter() - t_data)
+    finally:
+        runner.close()
+    row["peak_rss_mb"] = peak_rss_mb()
+    row["eval_seconds"] = time.perf_counter() - t0
+    return row
 
 
 _ORDER = ["layers", "parameters", "disk_bytes"]

@@ -209,11 +209,15 @@ def quantize_for_export(model, tokenizer, to: str, opts: ExportOptions, progress
 
 
 def export_model(src: str, to: str, out: Path, opts: ExportOptions | None = None, *, overwrite: bool = False,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, device="cpu", dtype=None, max_memory: int | None = None) -> dict:
     """Load `src` (alias, HF dir, llmcompress output, .gguf), quantize by `opts`, write `to` at `out`.
 
     to="gguf": one file at `out`; to="compressed-tensors": a directory. Returns a summary dict (also written
     next to a compressed-tensors checkpoint in its manifest; for GGUF, in its `llmcompress.*` fields).
+    device, dtype: where and in which dtype the model is loaded and quantized (None: float32); the files
+    are written from the CPU, in the save dtype.
+    max_memory: bytes the model may take (None: the memory available). Above it, a compressed-tensors
+    export streams the model layer by layer (`export_streamed`, said on stderr); a GGUF export cannot.
     """
     from llmcompress.io.load import load_model
 
@@ -221,8 +225,60 @@ def export_model(src: str, to: str, out: Path, opts: ExportOptions | None = None
     opts.validate(to)
     out = Path(out)
     _refuse_existing(out, overwrite)
-    lm = load_model(src)
+    import torch
+
+    from llmcompress.io.stream import should_stream
+
+    if to == "compressed-tensors":
+        path = should_stream(src, dtype or torch.float32, device, max_memory, what=f"{opts.quant.upper()} quantization")
+        if path is not None:
+            return export_streamed(src, path, out, opts, overwrite=overwrite, progress=progress, device=device, dtype=dtype)
+    elif max_memory is not None:
+        raise UserError("--max-memory applies to --to compressed-tensors (written layer by layer); a GGUF file is "
+                        "written from the whole model", "drop --max-memory, or export --to compressed-tensors")
+    lm = load_model(src, device=device, dtype=dtype)
     return export_loaded(lm, to, out, opts, overwrite=overwrite, progress=progress)
+
+
+def export_streamed(src: str, path: Path, out: Path, opts: ExportOptions, *, overwrite: bool = False, progress: bool = True,
+                    device="cpu", dtype=None) -> dict:
+    """A compressed-tensors export of the safetensors checkpoint at `path` (the model `src`) streamed layer
+    by layer: one decoder layer in memory at a time, quantized (RTN, or GPTQ on its own Hessians) and
+    written as its own shard. Same tensors as the in-memory export."""
+    from transformers import AutoTokenizer
+
+    from llmcompress.export.compressed_tensors import write_compressed_tensors_streamed
+    from llmcompress.io.stream import LayerRunner
+    from llmcompress.runtime import source_dtype_of_spec
+
+    to = "compressed-tensors"
+    runner = LayerRunner.open(path, dtype=dtype, device=device)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError):
+        tok = None
+    plan, notes = export_plan(runner.model, to, opts)
+    info: dict[str, Any] = {"plan": plan.to_dict(), "quant": opts.quant, "notes": notes, "streamed": True}
+    blocks, act_order = None, False
+    if opts.quant == "gptq" and len(plan.quantized([n for n, _ in runner.model.named_modules()])):
+        blocks, origin, act_order = calibration(tok, opts)
+        info["calibration"] = {"data": origin, "blocks": int(blocks.shape[0]), "seq_len": int(blocks.shape[1]),
+                               "act_order": act_order}
+    float_dtype = opts.save_dtype or source_dtype_of_spec(src)
+    summary: dict[str, Any] = {"format": to, "source": src, "float_dtype": float_dtype, **info}
+    res = write_compressed_tensors_streamed(runner, tok, out, plan=plan, quant=opts.quant, blocks=blocks, act_order=act_order,
+                                            float_dtype=float_dtype, manifest_extra={"export": summary}, overwrite=overwrite,
+                                            progress=progress)
+    summary.update(res)
+    summary["parameters"] = summary.get("parameters") or _manifest_parameters(out)
+    return summary
+
+
+def _manifest_parameters(out: Path) -> int:
+    try:
+        return int(json.loads((Path(out) / "llmcompress.json").read_text()).get("parameters", 0))
+    except (OSError, ValueError):
+        return 0
 
 
 def _refuse_existing(out: Path, overwrite: bool) -> None:
@@ -241,6 +297,8 @@ def export_loaded(lm, to: str, out: Path, opts: ExportOptions, *, overwrite: boo
     dtype = opts.save_dtype or source_dtype_of(lm)
     if qweights is None:
         qweights, info = quantize_for_export(model, tok, to, opts, progress=progress)
+    if next(model.parameters()).device.type != "cpu":  # the writers read tensors from host memory
+        model.to("cpu")
     info = dict(info or {})
     summary: dict[str, Any] = {"format": to, "source": lm.source, "float_dtype": dtype,
                                "parameters": sum(p.numel() for p in model.parameters()), **info}
@@ -259,4 +317,4 @@ def export_loaded(lm, to: str, out: Path, opts: ExportOptions, *, overwrite: boo
     return summary
 
 
-__all__ = ["ExportOptions", "export_loaded", "export_model", "export_plan", "load_plan", "quantize_for_export"]
+__all__ = ["ExportOptions", "export_loaded", "export_model", "export_plan", "export_streamed", "load_plan", "quantize_for_export"]

@@ -117,4 +117,107 @@ def write_compressed_tensors(model, tokenizer, out: Path, *, qweights: dict[str,
     return {"path": str(out), "bytes": nbytes, "quantized": len(qweights), "float_dtype": float_dtype}
 
 
-__all__ = ["compress_weight", "quantization_config", "write_compressed_tensors"]
+__all__ = ["compress_weight", "quantization_config", "write_compressed_tensors", "write_compressed_tensors_streamed"]
+
+
+def write_compressed_tensors_streamed(runner, tokenizer, out: Path, *, plan, quant: str = "rtn", blocks=None,
+                                      act_order: bool = False, float_dtype: str = "bfloat16",
+                                      manifest_extra: dict | None = None, overwrite: bool = False,
+                                      progress: bool = True) -> dict:
+    """`write_compressed_tensors` for a model streamed layer by layer (`io.stream.LayerRunner.open`): each
+    decoder layer is loaded, quantized (RTN, or GPTQ with its own Hessians, `quant.gptq.gptq_layerwise_`)
+    and written as its own shard, then freed; the embedding, final norm and head go to a last shard, and
+    `model.safetensors.index.json` maps every tensor to its shard (the sharded layout transformers and
+    vLLM read). The tensors equal those `write_compressed_tensors` writes for the same model in memory."""
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import save_file
+
+    from llmcompress.io.atomic import atomic_dir, write_json
+    from llmcompress.io.dtypes import torch_dtype
+    from llmcompress.quant import primitives as P
+    from llmcompress.quant.apply import QuantizedWeight, linear_fqns
+
+    dt = torch_dtype(float_dtype)
+    scale_dtype = torch.float16 if dt == torch.float16 else torch.float32
+    model = runner.model
+    n = runner.n_layers
+    shard = [f"model-{k + 1:05d}-of-{n + 1:05d}.safetensors" for k in range(n + 1)]
+    weight_map: dict[str, str] = {}
+    meta: dict[str, SimpleNamespace] = {}  # per quantized linear: bits, group size, sym (for the config)
+    nbytes = 0
+    targets = plan.quantized(linear_fqns(model))
+    params = 0
+
+    def floats(prefix: str, module, skip: set[str]) -> dict:
+        tensors = {}
+        for name, t in module.state_dict().items():
+            full = f"{prefix}{name}"
+            if full.rsplit(".", 1)[0] in skip and name.endswith("weight"):
+                continue
+            tensors[full] = t.detach().to(dt).contiguous() if t.is_floating_point() else t.detach().contiguous()
+        return tensors
+
+    with atomic_dir(Path(out), overwrite=overwrite) as tmp:
+        def sink(i, qweights):
+            nonlocal nbytes, params
+            prefix = runner._layer_prefix(i)
+            layer = runner.adapter.decoder_layers(model)[i]
+            params += sum(p.numel() for p in layer.parameters())
+            tensors = floats(prefix, layer, set(qweights))
+            for fqn, qw in qweights.items():
+                for k, v in compress_weight(qw, scale_dtype).items():
+                    tensors[f"{fqn}.{k}"] = v
+                meta[fqn] = SimpleNamespace(bits=qw.bits, group_size=qw.group_size, sym=qw.sym)
+            save_file(tensors, str(tmp / shard[i]), metadata={"format": "pt"})
+            weight_map.update({k: shard[i] for k in tensors})
+            nbytes += (tmp / shard[i]).stat().st_size
+
+        if quant == "gptq":
+            from llmcompress.quant.gptq import gptq_layerwise_
+
+            gptq_layerwise_(runner, plan, blocks, act_order=act_order, sink=sink, progress=progress)
+        else:
+            from llmcompress.progress import track
+
+            steps = range(n)
+            for i in track(steps, "quantizing (RTN, layer by layer)", total=n) if progress else steps:
+                with runner.layer(i) as layer:
+                    got = {}
+                    prefix = runner._layer_prefix(i)
+                    for fqn, cfg in targets.items():
+                        if fqn.startswith(prefix):
+                            q, s, z = P.quantize(layer.get_submodule(fqn[len(prefix):]).weight.data, cfg.bits, cfg.group_size, sym=cfg.sym)
+                            got[fqn] = QuantizedWeight(q.cpu(), s.cpu(), z.cpu(), cfg.bits, cfg.group_size, cfg.sym)
+                    sink(i, got)
+        # everything outside the decoder layers, as write_compressed_tensors writes it (a tied head once)
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        layers_prefix = runner.adapter.layers + "."
+        rest = {}
+        for name, t in model.state_dict().items():
+            if name.startswith(layers_prefix) or (tied and name == "lm_head.weight") or t.device.type == "meta":
+                continue
+            rest[name] = t.detach().to(dt).contiguous() if t.is_floating_point() else t.detach().contiguous()
+            params += t.numel()
+        save_file(rest, str(tmp / shard[n]), metadata={"format": "pt"})
+        weight_map.update({k: shard[n] for k in rest})
+        nbytes += (tmp / shard[n]).stat().st_size
+        write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": nbytes}, "weight_map": weight_map})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["dtype"] = float_dtype
+        config["architectures"] = [type(model).__name__]
+        config.pop("torch_dtype", None)
+        config["quantization_config"] = quantization_config(meta, model)
+        write_json(tmp / "config.json", config)
+        gen = getattr(model, "generation_config", None)
+        if gen is not None:
+            gen.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        manifest = {"format": "compressed-tensors/pack-quantized", "bytes_on_disk": nbytes, "parameters": params,
+                    "streamed": True, **(manifest_extra or {})}
+        write_json(tmp / "llmcompress.json", manifest)
+        tmp.chmod(0o755)
+    return {"path": str(out), "bytes": nbytes, "quantized": len(meta), "float_dtype": float_dtype, "streamed": True}

@@ -109,3 +109,14 @@ def swapped_layers(model: nn.Module, layers: Sequence[nn.Module], origin: Sequen
             setattr(config, name, values)
         for module, idx in saved_idx:
             module.layer_idx = idx
+
+
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose modules and config are new but whose parameters and buffers are the
+    original's tensors (no second copy of the weights). Safe for structural edits (replacing layers or
+    submodules, changing the config); an in-place write to a weight shows in both models."""
+    import copy
+
+    memo = {id(t): t for t in model.parameters()}
+    memo.update({id(t): t for t in model.buffers()})
+    return copy.deepcopy(model, memo)

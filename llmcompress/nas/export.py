@@ -101,10 +101,13 @@ def quantize_derived(model, plan: MixedPrecisionPlan, method: str = "rtn", block
 
 
 def zero_padded(model, width: int):
-    """A copy whose MLPs are zero-padded to `width` channels (outputs unchanged; plain HF loadable)."""
+    """A copy whose MLPs are zero-padded to `width` channels (outputs unchanged; plain HF loadable). Padded
+    linears are new; every other tensor is shared with `model` (no second full copy)."""
     import torch.nn as nn
 
-    padded = copy.deepcopy(model)
+    from llmcompress.io.surgery import shared_copy
+
+    padded = shared_copy(model)
     for layer in get_adapter(padded).decoder_layers(padded):
         mlp = layer.mlp
         w = mlp.down_proj.in_features

@@ -70,8 +70,9 @@ def _cost_models(model, space, cfg, out: Path, resume: bool):
     return build_cost_models(model, space, cfg.cost_model, cfg.context_len, lut)
 
 
-def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool = False) -> NasRun:
-    """Run the search of `cfg.mode` (+ `cfg.baselines`) and write everything under `out`."""
+def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool = False, device: str = "cpu", dtype=None) -> NasRun:
+    """Run the search of `cfg.mode` (+ `cfg.baselines`) and write everything under `out`, with the model
+    loaded on `device` in `dtype` (None: float32; the CLI resolves --device/--dtype)."""
     from llmcompress.io.atomic import write_json
     from llmcompress.io.checkpoint import build_manifest
     from llmcompress.io.load import load_model
@@ -80,13 +81,14 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
     from llmcompress.nas import search as S
     from llmcompress.nas.report import write_report
     from llmcompress.nas.space import build_space, mlp_channel_importance, permute_mlp_
-    from llmcompress.runtime import seed_everything
+    from llmcompress.runtime import resolve_device, seed_everything
 
     out = Path(out)
     cfg.validate()
     claim(out, overwrite=overwrite, resume=resume, stale=STALE).start()
     seed_everything(cfg.seed)
-    lm = load_model(cfg.model)
+    dev, _ = resolve_device(device)
+    lm = load_model(cfg.model, device=dev, dtype=dtype)
     teacher, tok = lm.model, lm.tokenizer
     space = build_space(teacher, cfg)
     if "gguf" in cfg.export and space.group_size % 32:
@@ -101,6 +103,7 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
     costs = _cost_models(teacher, space, cfg, out, resume)
     S.check_reachable(costs, cfg)
     blocks, held_out = _blocks(tok, cfg)  # bad data fails here, before anything is written to --out
+    blocks, held_out = blocks.to(dev), (held_out.to(dev) if held_out is not None else None)
     if costs.lut is not None:
         write_json(out / "lut.json", costs.lut)
     imp = mlp_channel_importance(teacher, blocks[: min(8, len(blocks))])

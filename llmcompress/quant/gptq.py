@@ -37,25 +37,29 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
         raise ValueError(f"group size {group_size} does not divide the input width {inp}")
     block = max(group_size, (block // group_size) * group_size)
     W = W.detach().float().clone()
-    H = H.detach().double().clone()
+    H = H.detach().to(device=W.device, dtype=torch.float64, copy=True)
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    H += damp * torch.diag(H).mean() * torch.eye(inp, dtype=H.dtype)
+    H.diagonal().add_(damp * torch.diag(H).mean())  # + damp * mean(diag) * I, without an (in, in) identity
     if act_order:
         static = P.quant_params(W, bits, group_size, sym)  # static groups, from the uncompensated weights
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
-        W, H = W[:, perm], H[perm][:, perm]
+        W, H = W[:, perm], H[perm[:, None], perm]
     else:
-        perm = torch.arange(inp)
-    try:
-        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+        perm = torch.arange(inp, device=W.device)
+    try:  # step by step, freeing each (in, in) float64 matrix once used: a 5632-wide layer's are 254 MB each
+        Hinv = torch.linalg.cholesky(H)
+        del H
+        Hinv = torch.cholesky_inverse(Hinv)
+        Hinv = torch.linalg.cholesky(Hinv, upper=True).float()
     except RuntimeError:  # not positive definite even after damping: fall back to RTN
         return P.quantize(W[:, torch.argsort(perm)], bits, group_size, sym=sym)
     qmax = 2**bits - 1
     G = inp // group_size
-    scale, zero = static if act_order else (torch.zeros(out, G), torch.zeros(out, G, dtype=torch.int32))
-    Q = torch.zeros(out, inp, dtype=torch.int32)
+    dev = W.device
+    scale, zero = static if act_order else (torch.zeros(out, G, device=dev), torch.zeros(out, G, dtype=torch.int32, device=dev))
+    Q = torch.zeros(out, inp, dtype=torch.int32, device=dev)
     for i1 in range(0, inp, block):
         i2 = min(i1 + block, inp)
         W1 = W[:, i1:i2].clone()
@@ -94,29 +98,131 @@ def input_hessians(model: nn.Module, fqns: list[str], blocks: torch.Tensor, batc
     return {k: v / n for k, v in H.items()}
 
 
-def gptq_model_(model: nn.Module, plan: MixedPrecisionPlan, blocks: torch.Tensor, progress: bool = True,
-                act_order: bool = False) -> dict[str, QuantizedWeight]:
-    """GPTQ-quantize every linear the plan names (Hessians from one pass of the unquantized model); the
-    weights become their dequantized values in place. Returns the integer weights, as quantize_model_.
-    act_order: see gptq_quantize."""
+def layer_hessians(runner, i: int, layer: nn.Module, fqns: list[str], hidden: list[torch.Tensor]):
+    """Run decoder layer i over the per-batch states `hidden`, accumulating E[x x^T] of the inputs of the
+    linears `fqns` (model FQNs inside this layer). Linears fed the same tensor (q/k/v, gate/up) share one
+    Hessian. Returns (outputs, {fqn: H}); the sums run in the order `input_hessians` runs them, so the
+    matrices are the same."""
+    prefix = runner._layer_prefix(i)
+    mods = {fqn: layer.get_submodule(fqn[len(prefix):]) for fqn in fqns}
+    sums: dict[str, torch.Tensor] = {}
+    owner: dict[str, str] = {}
+    seen: dict[int, tuple] = {}  # id -> (tensor, first fqn); the tensor is held so that its id is not reused
+    hooks = []
+    for name, mod in mods.items():
+        def pre(m, args, name=name):
+            x = args[0]
+            first = seen.setdefault(id(x), (x, name))[1]
+            owner[name] = first
+            if first == name:
+                x2 = x.detach().float().reshape(-1, x.shape[-1])
+                sums[name] = sums.get(name, 0) + x2.T @ x2
+        hooks.append(mod.register_forward_pre_hook(pre))
+    outs, n = [], 0
+    try:
+        for h in hidden:
+            seen.clear()
+            outs.append(runner.run(i, layer, h))
+            n += h.shape[0] * h.shape[1]
+    finally:
+        for hk in hooks:
+            hk.remove()
+    n = max(n, 1)
+    means = {first: h.div_(n) for first, h in sums.items()}
+    return outs, {name: means[owner[name]] for name in mods if name in owner}  # shared inputs: one tensor
+
+
+INPUTS = ("dense", "quantized")
+
+
+def gptq_layerwise_(runner, plan: MixedPrecisionPlan, blocks: torch.Tensor, *, act_order: bool = False, inputs: str = "dense",
+                    sink=None, progress: bool = True) -> dict[str, QuantizedWeight]:
+    """GPTQ one decoder layer at a time over a `io.stream.LayerRunner` (in memory or streamed from disk):
+    only the current layer's Hessians exist at any time.
+
+    inputs: "dense": each layer's inputs come from the unquantized previous layers (the Hessians, hence the
+    integers, equal those of one pass of the unquantized model: `input_hessians`); "quantized": from the
+    already quantized previous layers (sequential GPTQ, as llm-compressor runs it).
+    sink(i, {fqn: QuantizedWeight}): receives each layer's integers instead of returning them (a streamed
+    run then holds no integers either), while layer i is still loaded. Quantized weights replace the layer's weights (dequantized), in
+    place; a streamed layer is freed after. Linears outside the decoder layers are not quantized here.
+    """
     import torch
 
     from llmcompress.progress import track
-    from llmcompress.quant.apply import QuantizedWeight, linear_fqns
+    from llmcompress.quant.apply import QuantizedWeight
 
-    modules = dict(model.named_modules())
-    targets = plan.quantized(linear_fqns(model))
-    hessians = input_hessians(model, list(targets), blocks)
+    if inputs not in INPUTS:
+        raise ValueError(f"inputs must be one of {INPUTS}")
+    model = runner.model
+    prefixes = [runner._layer_prefix(i) for i in range(runner.n_layers)]
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    targets = plan.quantized(names)
+    outside = [f for f in targets if not f.startswith(runner.adapter.layers + ".")]
+    if outside:
+        raise ValueError(f"GPTQ layer by layer covers decoder linears only; the plan also names {outside[0]}")
     out: dict[str, QuantizedWeight] = {}
-    items = list(targets.items())
-    for fqn, cfg in track(items, "quantizing (GPTQ)") if progress else items:
-        lin = modules[fqn]
-        q, s, z = gptq_quantize(lin.weight.data, hessians.pop(fqn), cfg.bits, cfg.group_size, act_order=act_order, sym=cfg.sym)
-        qw = QuantizedWeight(q, s, z, cfg.bits, cfg.group_size, cfg.sym)
-        with torch.no_grad():
-            lin.weight.copy_(qw.dequantize(lin.weight.dtype))
-        out[fqn] = qw
+    hidden = runner.embed(blocks)
+    steps = range(runner.n_layers)
+    for i in track(steps, "quantizing (GPTQ, layer by layer)", total=len(steps)) if progress else steps:
+        mine = [f for f in targets if f.startswith(prefixes[i])]
+        with runner.layer(i) as layer:
+            outs, hessians = layer_hessians(runner, i, layer, mine, hidden)
+            got = {}
+            for fqn in mine:
+                cfg = targets[fqn]
+                lin = layer.get_submodule(fqn[len(prefixes[i]):])
+                q, s, z = gptq_quantize(lin.weight.data, hessians.pop(fqn), cfg.bits, cfg.group_size, act_order=act_order, sym=cfg.sym)
+                qw = QuantizedWeight(q.cpu(), s.cpu(), z.cpu(), cfg.bits, cfg.group_size, cfg.sym)
+                with torch.no_grad():
+                    lin.weight.copy_(qw.dequantize(lin.weight.dtype).to(lin.weight.device))
+                got[fqn] = qw
+            del hessians
+            if inputs == "quantized" and mine:
+                outs = [runner.run(i, layer, h) for h in hidden]
+            if sink is not None:  # while the layer is loaded: a writer can take its other tensors too
+                sink(i, got)
+            else:
+                out.update(got)
+        hidden = outs
     return out
 
 
-__all__ = ["gptq_model_", "gptq_quantize", "input_hessians"]
+def gptq_model_(model: nn.Module, plan: MixedPrecisionPlan, blocks: torch.Tensor, progress: bool = True,
+                act_order: bool = False, inputs: str = "dense", sink=None) -> dict[str, QuantizedWeight]:
+    """GPTQ-quantize every linear the plan names, layer by layer (one layer's Hessians at a time; with the
+    default `inputs="dense"` the integers are those of Hessians from one pass of the unquantized model);
+    the weights become their dequantized values in place. Returns the integer weights, as quantize_model_.
+    act_order: see gptq_quantize; inputs, sink: see gptq_layerwise_. Planned linears outside the decoder
+    layers (a quantized lm_head) are quantized after them, with Hessians from the unquantized model."""
+    import torch
+
+    from llmcompress.io.stream import LayerRunner
+    from llmcompress.quant.apply import QuantizedWeight, linear_fqns
+    from llmcompress.quant.plan import MixedPrecisionPlan as Plan
+
+    targets = plan.quantized(linear_fqns(model))
+    runner = LayerRunner(model)
+    inner = Plan()
+    for fqn, cfg in targets.items():
+        if fqn.startswith(runner.adapter.layers + "."):
+            inner[fqn] = cfg
+    inner["_default"] = None
+    rest = {f: c for f, c in targets.items() if f not in inner.quantized(list(targets))}
+    # Hessians of planned linears outside the layers (a quantized lm_head): from the unquantized model, first
+    rest_h = input_hessians(model, list(rest), blocks.to(runner.device)) if rest else {}
+    out = gptq_layerwise_(runner, inner, blocks.to(runner.device), act_order=act_order, inputs=inputs, sink=sink, progress=progress)
+    if rest:
+        modules = dict(model.named_modules())
+        hessians = rest_h
+        for fqn, cfg in rest.items():
+            lin = modules[fqn]
+            q, s, z = gptq_quantize(lin.weight.data, hessians.pop(fqn), cfg.bits, cfg.group_size, act_order=act_order, sym=cfg.sym)
+            qw = QuantizedWeight(q.cpu(), s.cpu(), z.cpu(), cfg.bits, cfg.group_size, cfg.sym)
+            with torch.no_grad():
+                lin.weight.copy_(qw.dequantize(lin.weight.dtype).to(lin.weight.device))
+            out[fqn] = qw
+    return out
+
+
+__all__ = ["gptq_layerwise_", "gptq_model_", "gptq_quantize", "input_hessians", "layer_hessians"]

@@ -1,0 +1,437 @@
+"""Layer streaming: run a model larger than memory one decoder layer at a time.
+
+The model's skeleton is built with accelerate's `init_empty_weights` (parameters on the meta device take no
+memory; buffers such as rotary frequencies stay real). The token embedding, final norm and head are read
+from the checkpoint's safetensors files once; each decoder layer's tensors are read (safetensors `safe_open`,
+memory-mapped) when the layer runs over the whole calibration batch, then put back on the meta device. At
+any time memory holds the runtime, the embedding and head, one layer and the batch's hidden states.
+
+Why a runner here and not accelerate's disk offload (`device_map=..., offload_folder=...`): offload hooks
+re-read every layer for every forward call, i.e. once per batch, and the engines need per-layer control
+(Hessian hooks for GPTQ, two boundary states at once for Block Influence). Loading a tensor into the
+skeleton is accelerate's `set_module_tensor_to_device`; the layer forward is the model's own (through
+`io.forward.run_layers`), so streamed and in-memory runs compute the same operations.
+
+`LayerRunner` has the same interface for a model already in memory (nothing loaded or freed), so an engine
+written against it (GPTQ layer by layer, Block Influence, perplexity) runs unchanged either way.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmcompress.errors import UserError
+from llmcompress.io.adapters import get_adapter
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+
+class _Stop(Exception):
+    pass
+
+
+# ---------------------------------------------------------------- memory budget
+
+
+def parse_memory(text: str | int | None) -> int | None:
+    """`--max-memory` in bytes: "8GiB", "500MB", a plain number of bytes; None stays None (the default).
+    Uses accelerate's size parser; 0 is allowed (always stream)."""
+    if text is None:
+        return None
+    from accelerate.utils import convert_file_size_to_int
+
+    s = str(text).strip()
+    if s.isdigit():
+        return int(s)
+    try:
+        value = convert_file_size_to_int(s)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UserError(f"--max-memory {text!r} is not a memory size", "pass e.g. 8GiB, 500MB or 0 (always stream)")
+    return value
+
+
+def available_memory(device=None) -> int:
+    """Bytes free for a model on `device`: free GPU memory on CUDA, else psutil's available host memory."""
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def checkpoint_bytes_at(path: Path, dtype) -> int:
+    """Bytes the checkpoint at `path` takes in memory at `dtype` (from the safetensors headers only)."""
+    import torch
+
+    n_bytes = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for k, v in header.items():
+            if k == "__metadata__":
+                continue
+            numel = 1
+            for d in v["shape"]:
+                numel *= d
+            n_bytes += numel * torch.empty((), dtype=dtype).element_size()
+    return n_bytes
+
+
+def streamable_dir(spec: str) -> Path | None:
+    """The safetensors directory a model spec streams from (an HF directory or a converted alias/GGUF);
+    None for sources that cannot be streamed (zipped checkpoints, hub ids, pickle weights)."""
+    from llmcompress.io.load import converted_alias_dir, converted_gguf_dir, resolve
+
+    kind, where = resolve(spec)
+    if kind == "dir":
+        path = Path(where)
+    elif kind == "alias":
+        path = converted_alias_dir(str(where))
+        if path is None:
+            return None
+    elif kind == "gguf":
+        path = converted_gguf_dir(Path(where))
+    else:
+        return None
+    return path if list(path.glob("*.safetensors")) else None
+
+
+def should_stream(spec: str, dtype, device=None, max_memory: int | None = None, *, what: str = "") -> Path | None:
+    """The directory to stream `spec` from when its weights at `dtype` exceed `max_memory` (default: what
+    the device has available), else None. Says so on stderr when it switches."""
+    path = streamable_dir(spec)
+    if path is None:
+        if max_memory == 0:
+            raise UserError(f"{spec} cannot be streamed layer by layer (only safetensors checkpoints can)",
+                            "pass a Hugging Face directory with *.safetensors, or drop --max-memory 0")
+        return None
+    need = checkpoint_bytes_at(path, dtype)
+    budget = available_memory(device) if max_memory is None else max_memory
+    if need <= budget:
+        return None
+    print(f"notice: {spec} needs {need / 2**30:.2f} GiB at {str(dtype).replace('torch.', '')}, above the memory budget of "
+          f"{budget / 2**30:.2f} GiB{' (--max-memory)' if max_memory is not None else ' (available memory)'}: "
+          f"streaming its layers from disk one at a time{(' for ' + what) if what else ''}", file=sys.stderr)
+    return path
+
+
+# ---------------------------------------------------------------- the runner
+
+
+class LayerRunner:
+    """Runs a causal LM layer by layer over a batch of hidden states.
+
+    In memory (`LayerRunner(model)`): the layers are the model's own. Streamed (`LayerRunner.open(path)`):
+    the model is a meta-device skeleton and `layer(i)` loads layer i from the safetensors files and frees it
+    on exit. Either way:
+
+        h = runner.embed(blocks)                 # list of per-batch hidden states
+        for i in range(runner.n_layers):
+            with runner.layer(i) as layer:
+                h = [runner.run(i, layer, x) for x in h]
+        logits = runner.logits(h[0])
+    """
+
+    def __init__(self, model: nn.Module, *, files: dict[str, Path] | None = None, keys: dict[str, str] | None = None,
+                 device=None, dtype=None, batch: int = 2) -> None:
+        import torch
+
+        self.model = model
+        self.adapter = get_adapter(model)
+        self.files = files  # None: in memory; else checkpoint key -> file
+        self.keys = keys or {}  # model tensor name -> checkpoint key
+        self.device = torch.device(device) if device is not None else next(p.device for p in model.parameters() if p.device.type != "meta")
+        self.dtype = dtype
+        self.batch = batch
+
+    @property
+    def streamed(self) -> bool:
+        return self.files is not None
+
+    @property
+    def n_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def config(self):
+        return self.model.config
+
+    # -------------------------------------------------------- building a streamed runner
+
+    @classmethod
+    def open(cls, path: Path, *, dtype=None, device="cpu", batch: int = 2, trust_remote_code: bool = False) -> LayerRunner:
+        """A streamed runner over the safetensors checkpoint at `path` (HF directory)."""
+        import torch
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from llmcompress.io.load import _check_model_dir, quiet_transformers
+
+        quiet_transformers()
+        path = Path(path)
+        _check_model_dir(path)
+        dtype = dtype or torch.float32
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model.eval()
+        files = _index(path)
+        keys = _key_map(model, files)
+        runner = cls(model, files=files, keys=keys, device=device, dtype=dtype, batch=batch)
+        runner._load_resident()
+        return runner
+
+    def _keep_source_dtype(self, name: str, value) -> bool:
+        """The token embedding and the head stay in the checkpoint's dtype when it is narrower than the
+        compute dtype (a bf16 checkpoint computed in float32: half the bytes of the largest resident
+        tensor); `embed` and `logits` widen what they produce, so the values are those of float32."""
+        import torch
+
+        big = {f"{self.adapter.embed}.weight", f"{self.adapter.lm_head}.weight"}
+        return (name in big and self.dtype is not None and value.is_floating_point()
+                and torch.finfo(value.dtype).bits < torch.finfo(self.dtype).bits)
+
+    def _load(self, names: list[str]) -> None:
+        """Read the tensors `names` from their files into the skeleton (on the device, in the compute dtype).
+        Each file is opened for this call only: an open safetensors handle keeps its memory map, and the
+        pages read through it would stay resident (and counted) until it closes."""
+        from accelerate.utils import set_module_tensor_to_device
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.files[self.keys[name]], []).append(name)
+        for f, group in by_file.items():
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                for name in group:
+                    value = h.get_tensor(self.keys[name])
+                    keep = self._keep_source_dtype(name, value)
+                    set_module_tensor_to_device(self.model, name, self.device, value=value,
+                                                dtype=self.dtype if value.is_floating_point() and not keep else None)
+                    del value
+
+    def _layer_prefix(self, i: int) -> str:
+        return f"{self.adapter.layers}.{i}."
+
+    def _load_resident(self) -> None:
+        """Everything outside the decoder layers (embedding, final norm, head, position embeddings); ties the
+        head to the embedding when the checkpoint stores it once; real buffers go to the device."""
+        layers_prefix = self.adapter.layers + "."
+        names = [n for n in self.keys if not n.startswith(layers_prefix)]
+        self._load(names)
+        head = self.adapter.head(self.model)
+        if head.weight.device.type == "meta":  # tied and stored once
+            if not getattr(self.model.config, "tie_word_embeddings", False):
+                raise UserError(f"the checkpoint has no {self.adapter.lm_head}.weight and the model does not tie it",
+                                "check the checkpoint is complete")
+            head.weight = self.adapter.embeddings(self.model).weight
+        for module in self.model.modules():
+            for bname, buf in list(module._buffers.items()):
+                if buf is not None and buf.device.type != "meta" and buf.device != self.device:
+                    module._buffers[bname] = buf.to(self.device)
+        missing = [n for n, p in self.model.named_parameters() if p.device.type == "meta" and not n.startswith(layers_prefix)]
+        if missing:
+            raise UserError(f"the checkpoint has no tensor for {missing[0]}", "check the checkpoint is complete")
+
+    # -------------------------------------------------------- the interface
+
+    def layer_tensor_names(self, i: int) -> list[str]:
+        prefix = self._layer_prefix(i)
+        return [n for n in self.keys if n.startswith(prefix)]
+
+    @contextmanager
+    def layer(self, i: int):
+        """Decoder layer i, ready to run; streamed: loaded now, freed (back to meta) on exit."""
+        layer = self.adapter.decoder_layers(self.model)[i]
+        if not self.streamed:
+            yield layer
+            return
+        names = self.layer_tensor_names(i)
+        if not names:
+            raise UserError(f"the checkpoint has no tensors for decoder layer {i}", "check the checkpoint is complete")
+        try:
+            self._load(names)
+            yield layer
+        finally:
+            from accelerate.utils import set_module_tensor_to_device
+
+            for name in names:
+                set_module_tensor_to_device(self.model, name, "meta")
+            _return_freed_memory()
+
+    def embed(self, blocks: torch.Tensor) -> list[torch.Tensor]:
+        """Input of decoder layer 0 for `blocks` (n, T), as a list of per-batch tensors (`self.batch` blocks each).
+        The model's own forward computes it (embedding, position embeddings); it stops before layer 0."""
+        import torch
+
+        layer0 = self.adapter.decoder_layers(self.model)[0]
+        got = {}
+
+        def grab(module, args, kwargs):
+            got["h"] = args[0] if args else kwargs["hidden_states"]
+            raise _Stop
+
+        out = []
+        hook = layer0.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                for b in blocks.split(self.batch):
+                    try:
+                        self.model(input_ids=b.to(self.device), use_cache=False)
+                    except _Stop:
+                        pass
+                    h = got.pop("h")
+                    out.append(h.to(self.dtype) if self.dtype is not None and h.is_floating_point() else h)
+        finally:
+            hook.remove()
+        return out
+
+    def run(self, i: int, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The output of decoder layer i (the module `layer`) for the boundary state `hidden`."""
+        import torch
+
+        from llmcompress.io.forward import run_layers
+
+        with torch.no_grad():
+            return run_layers(self.model, hidden, [layer], [i], output="hidden")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits from the last layer's output: final norm, then the head."""
+        import torch
+        import torch.nn.functional as F
+
+        head = self.adapter.head(self.model)
+        with torch.no_grad():
+            x = self.adapter.norm(self.model)(hidden)
+            if head.weight.dtype == x.dtype:
+                return head(x)
+            # a narrower resident head (see _keep_source_dtype): widened a slice of rows at a time
+            W, b = head.weight, getattr(head, "bias", None)
+            step = 8192
+            return torch.cat([F.linear(x, W[a : a + step].to(x.dtype), None if b is None else b[a : a + step].to(x.dtype))
+                              for a in range(0, W.shape[0], step)], dim=-1)
+
+    def close(self) -> None:
+        """Nothing stays open between layers; kept so callers can close a runner either way."""
+
+
+def _return_freed_memory() -> None:
+    """Give freed heap pages back to the OS after a layer is dropped (glibc's malloc keeps them otherwise,
+    and a streamed run's resident memory creeps up layer by layer). No-op where there is no glibc."""
+    import ctypes
+
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
+
+
+def _index(path: Path) -> dict[str, Path]:
+    """Checkpoint key -> safetensors file, from the shard index when there is one."""
+    from safetensors import safe_open
+
+    idx = path / "model.safetensors.index.json"
+    if idx.is_file():
+        return {k: path / v for k, v in json.loads(idx.read_text())["weight_map"].items()}
+    out: dict[str, Path] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: f for k in h.keys()})  # noqa: SIM118 - safe_open handles are not mappings
+    return out
+
+
+def _key_map(model, files: dict[str, Path]) -> dict[str, str]:
+    """Model tensor name (parameters and persistent buffers) -> checkpoint key. Checkpoints written without
+    the base model prefix (old GPT-2 files: "h.0..." for "transformer.h.0...") are matched too."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    out = {}
+    for name in model.state_dict(keep_vars=True):
+        if name in files:
+            out[name] = name
+        elif prefix and name.startswith(prefix + ".") and name[len(prefix) + 1 :] in files:
+            out[name] = name[len(prefix) + 1 :]
+    return out
+
+
+def open_runner(model_or_path, *, dtype=None, device="cpu", batch: int = 2) -> LayerRunner:
+    """A LayerRunner: in memory for an nn.Module, streamed for a checkpoint directory."""
+    if isinstance(model_or_path, (str, Path)):
+        return LayerRunner.open(Path(model_or_path), dtype=dtype, device=device, batch=batch)
+    return LayerRunner(model_or_path, batch=batch)
+
+
+# ---------------------------------------------------------------- engines over a runner
+
+
+def boundary_walk(runner: LayerRunner, blocks: torch.Tensor, on_layer=None, description: str = "layers"):
+    """Run `blocks` through every layer; `on_layer(i, inputs, outputs)` sees each layer's per-batch input
+    and output states. Returns the last layer's output states (list of per-batch tensors)."""
+    from llmcompress.progress import track
+
+    hidden = runner.embed(blocks)
+    for i in track(range(runner.n_layers), description, total=runner.n_layers):
+        with runner.layer(i) as layer:
+            out = [runner.run(i, layer, h) for h in hidden]
+        if on_layer is not None:
+            on_layer(i, hidden, out)
+        hidden = out
+    return hidden
+
+
+def streamed_nll(runner: LayerRunner, blocks: torch.Tensor, description: str = "perplexity") -> tuple[float, int]:
+    """Sum of next-token NLLs over (n, T) blocks and the number of scored tokens, as
+    `eval.perplexity.nll_of_blocks` computes them (each block on its own), layer by layer. The head runs one
+    block at a time, so the logits in memory are those of one block."""
+    import torch
+    import torch.nn.functional as F
+
+    hidden = boundary_walk(runner, blocks, description=description)
+    total, count = 0.0, 0
+    for h, x in zip(hidden, blocks.split(runner.batch)):
+        x = x.to(runner.device)
+        for j in range(h.shape[0]):
+            logits = runner.logits(h[j : j + 1]).float()
+            total += F.cross_entropy(logits[0, :-1], x[j, 1:], reduction="sum").item()
+            count += x.shape[1] - 1
+        del logits
+    torch.cuda.empty_cache() if runner.device.type == "cuda" else None
+    return total, count
+
+
+def streamed_perplexity(path: Path, tokenizer, data: str = "wikitext2", *, split: str | None = None, seq_len: int = 512,
+                        max_tokens: int | None = 16384, batch_size: int = 4, dtype=None, device="cpu") -> dict:
+    """`eval.perplexity.perplexity` for the checkpoint at `path`, streamed layer by layer."""
+    from llmcompress.eval.perplexity import perplexity_blocks, perplexity_result
+
+    runner = LayerRunner.open(path, dtype=dtype, device=device, batch=batch_size)
+    try:
+        from llmcompress.eval.perplexity import check_seq_len
+
+        check_seq_len(runner.model, seq_len)
+        blocks = perplexity_blocks(tokenizer, data, split=split, seq_len=seq_len, max_tokens=max_tokens)
+        nll, n = streamed_nll(runner, blocks, description=f"ppl {data} (streamed)")
+    finally:
+        runner.close()
+    return perplexity_result(nll, n, blocks, data, split)
+
+
+__all__ = ["LayerRunner", "available_memory", "boundary_walk", "checkpoint_bytes_at", "open_runner", "parse_memory",
+           "should_stream", "streamable_dir", "streamed_nll", "streamed_perplexity"]
