@@ -40,6 +40,13 @@ class PrecisionChoice(str, Enum):
     bf16 = "bf16"
 
 
+class GradCompressChoice(str, Enum):
+    none = "none"
+    zip = "zip"
+    powersgd = "powersgd"
+    edgc = "edgc"
+
+
 class CacheDtypeChoice(str, Enum):
     bf16 = "bf16"
     fp16 = "fp16"
@@ -80,11 +87,16 @@ def distill_command(
     allow_pickle: AllowPickleOpt = False,
     keep_work: Annotated[bool, typer.Option("--keep-work", help="Keep OUT/work (segment weights, features, resume state) after success.")] = False,
     push_to_hub: PushOpt = None,
+    grad_compress: Annotated[GradCompressChoice, typer.Option("--grad-compress", help="Gradient exchange of data-parallel e2e training under torchrun: none | zip (lossless) | powersgd (fixed --grad-rank) | edgc (entropy-adapted rank).")] = GradCompressChoice.none,
+    grad_rank: Annotated[int, typer.Option("--grad-rank", help="PowerSGD's rank (--grad-compress powersgd).")] = 8,
+    grad_rank_min: Annotated[int, typer.Option("--grad-rank-min", help="EDGC's lowest rank.")] = 2,
+    grad_rank_max: Annotated[int, typer.Option("--grad-rank-max", help="EDGC's highest rank (where it starts).")] = 32,
 ) -> None:
     """Distil a smaller student from TEACHER: layer-wise, easy-to-hard, from a cached teacher.
 
     Writes OUT/student (HF checkpoint + llmcompress.json with layer_map), OUT/train_log.jsonl,
-    OUT/report.md and OUT/metrics.json. Under torchrun, segments are spread over ranks.
+    OUT/report.md, OUT/report.json and OUT/metrics.json. Under torchrun, segments are spread over ranks, and
+    --mode e2e and the --e2e-steps phase train data-parallel (DDP; --grad-compress picks the gradient exchange).
     """
     from llmcompress.distill import DistillConfig
     from llmcompress.errors import UserError
@@ -101,7 +113,8 @@ def distill_command(
         batch_size=batch_size, lr=lr, hidden_loss=hidden_loss.value, kl_weight=kl_weight, ce_weight=ce_weight,
         phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, e2e_lr=e2e_lr, precision=precision.value, cache_dtype=cache_dtype.value,
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
-        save_dtype=save_dtype,
+        save_dtype=save_dtype, grad_compress=grad_compress.value, grad_rank=grad_rank, grad_rank_min=grad_rank_min,
+        grad_rank_max=grad_rank_max,
     )
     cfg.validate()  # every number, before torch loads
     if os.environ.get("RANK", "0") == "0":  # fail fast, before torch loads (rank 0 only: it creates --out)

@@ -119,7 +119,7 @@ class EDGCState(psgd.PowerSGDState):
 
     def __init__(self, process_group=None, *, rank: int = 8, r_min: int = 2, r_max: int = 32, adapt: bool = True,
                  start_iter: int = 10, window: int = 10, sample_every: int = 2, sample_fraction: float = 0.01,
-                 entropy_span: float = 0.05, max_step: int = 4, min_compression_rate: float = 2.0, seed: int = 0,
+                 entropy_span: float = 0.2, max_step: int = 4, min_compression_rate: float = 2.0, seed: int = 0,
                  names: dict | None = None):
         if start_iter < 2:
             raise ValueError("start_iter must be >= 2 (DDP rebuilds its buckets after iteration 1)")
@@ -389,7 +389,7 @@ class GradCompression:
     """
 
     def __init__(self, scheme: str, model, *, rank: int = 8, r_min: int = 2, r_max: int = 32, start_iter: int = 10,
-                 window: int = 10, sample_every: int = 2, sample_fraction: float = 0.01, entropy_span: float = 0.05,
+                 window: int = 10, sample_every: int = 2, sample_fraction: float = 0.01, entropy_span: float = 0.2,
                  max_step: int = 4, min_rate: float = 2.0, seed: int = 0):
         if scheme not in SCHEMES:
             raise ValueError(f"unknown gradient compression {scheme!r}; one of {', '.join(SCHEMES)}")
@@ -415,6 +415,7 @@ class GradCompression:
 
             self.strategy = Strategy(force="compressed", min_bytes=0)
         self._step = [0.0, 0.0]
+        self.hook_s = 0.0
         self.total_bytes = 0
         self.total_matrix_bytes = 0
         self.steps = 0
@@ -423,9 +424,23 @@ class GradCompression:
         self._step[0] += total
         self._step[1] += matrix
 
-    def register(self, ddp) -> None:
+    def register(self, ddp, *, timed: bool = False) -> None:
+        """Register this scheme's hook on `ddp` (a DDP model takes one hook). `timed`: each bucket completes inside
+        the hook and the time spent there is added to `hook_s` (compression compute plus the transfer)."""
         hook = {"none": allreduce_hook, "zip": zip_hook, "powersgd": edgc_hook, "edgc": edgc_hook}[self.scheme]
-        ddp.register_comm_hook(self, hook)
+        if not timed:
+            ddp.register_comm_hook(self, hook)
+            return
+
+        def timed_hook(state, bucket):
+            t0 = time.perf_counter()
+            out = hook(state, bucket).wait()
+            state.hook_s += time.perf_counter() - t0
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(out)
+            return fut
+
+        ddp.register_comm_hook(self, timed_hook)
 
     def end_step(self) -> dict[str, Any]:
         """Close one optimiser step (after backward): its bytes, and for EDGC the entropy/rank bookkeeping."""

@@ -33,6 +33,15 @@ class Select(str, Enum):
     BI = "bi"  # Block Influence: drop the layers whose output is most like their input
 
 
+class GradCompress(str, Enum):
+    """How data-parallel e2e training (torchrun) exchanges gradients (llmcompress/comm/edgc.py)."""
+
+    NONE = "none"  # DDP's all-reduce
+    ZIP = "zip"  # lossless ZipCCL: the same bits, fewer bytes
+    POWERSGD = "powersgd"  # torch's PowerSGD hook at the fixed rank grad_rank
+    EDGC = "edgc"  # PowerSGD with the rank adapted to the gradients' entropy in [grad_rank_min, grad_rank_max]
+
+
 class HiddenLoss(str, Enum):
     """Per-token hidden-state loss of a segment."""
 
@@ -89,6 +98,9 @@ class DistillConfig:
         eval_tokens: tokens of WikiText-2 raw test for the report's perplexities (0 skips).
         threads: torch intra-op threads (None: torch's default). On a shared CPU, 1 can be much faster.
         seed: everything random derives from it (per segment: seed + segment index).
+        grad_compress: gradient exchange of data-parallel e2e training under torchrun: none | zip | powersgd | edgc.
+        grad_rank: PowerSGD's fixed rank (powersgd); grad_rank_min / grad_rank_max: EDGC's rank range (it starts at
+            the maximum); grad_warmup: dense all-reduce steps before either compresses (>= 2).
     """
 
     teacher: str = "smollm2-135m"
@@ -124,6 +136,11 @@ class DistillConfig:
     seed: int = 0
     threads: int | None = None
     save_dtype: str | None = None  # dtype of the saved student (None: the teacher's source dtype; io/dtypes.py)
+    grad_compress: GradCompress = GradCompress.NONE
+    grad_rank: int = 8
+    grad_rank_min: int = 2
+    grad_rank_max: int = 32
+    grad_warmup: int = 10
     version: int = 1
 
     def __post_init__(self) -> None:
@@ -132,6 +149,7 @@ class DistillConfig:
         self.hidden_loss = HiddenLoss(self.hidden_loss)
         self.cache_dtype = CacheDtype(self.cache_dtype)
         self.precision = Precision(self.precision)
+        self.grad_compress = GradCompress(self.grad_compress)
         if self.save_dtype is not None:
             from llmcompress.io.dtypes import torch_dtype
 
@@ -153,6 +171,11 @@ class DistillConfig:
         from llmcompress.errors import UserError
 
         check_ranges(self, RANGES)
+        if self.grad_rank_min > self.grad_rank_max:
+            raise UserError(
+                f"--grad-rank-min {self.grad_rank_min} is above --grad-rank-max {self.grad_rank_max}",
+                "give a range with min <= max, e.g. --grad-rank-min 2 --grad-rank-max 32",
+            )
         if self.e2e_lr is not None and (self.mode == Mode.E2E or self.e2e_steps < 1):
             raise UserError(
                 "--e2e-lr sets the learning rate of the --e2e-steps phase, and this run has none",
@@ -203,4 +226,8 @@ RANGES = {
     "eval_seq_len": Int("eval_seq_len", 2, MAX_SEQ),
     "seed": Int("--seed", 0, MAX_SEED),
     "threads": Int("--threads", 1, MAX_THREADS),
+    "grad_rank": Int("--grad-rank", 1, 1024, note="PowerSGD's rank, e.g. --grad-rank 8"),
+    "grad_rank_min": Int("--grad-rank-min", 1, 1024, note="EDGC's lowest rank, e.g. --grad-rank-min 2"),
+    "grad_rank_max": Int("--grad-rank-max", 1, 1024, note="EDGC's highest (starting) rank, e.g. --grad-rank-max 32"),
+    "grad_warmup": Int("grad_warmup", 2, MAX_COUNT, note="dense steps before PowerSGD/EDGC compress (DDP rebuilds buckets at step 1)"),
 }
