@@ -67,3 +67,40 @@ def _weights_before(tiny_hf_dir, key):
 
     w = load_file(str(tiny_hf_dir / "model.safetensors"))
     return w.get(key, torch.empty(0))
+
+
+def test_e2e_steps_phase_with_edgc_and_resume(tiny_hf_dir, data_file, tmp_path):  # noqa: F811
+    """Layer-wise phases, then 8 data-parallel e2e steps through EDGC (2 dense, then compressed at rank <= 4);
+    a rerun with --resume from the step-6 checkpoint ends with the same student and byte count."""
+    args = small(tiny_hf_dir, data_file, tmp_path, "--keep-layers", 3, "--e2e-steps", 8, "--threads", 1, "--grad-compress", "edgc",
+                 "--grad-warmup", 2, "--grad-rank-min", 1, "--grad-rank-max", 4, "--keep-work")
+    out = tmp_path / "edgc"
+    _torchrun(tmp_path, args, out)
+    rep = json.loads((out / "report.json").read_text())
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    e2e = [r for r in log if r["phase"] == "e2e"]
+    assert [r["step"] for r in e2e] == list(range(8))
+    assert [r["grad_rank"] for r in e2e[:2]] == [None, None] and all(1 <= r["grad_rank"] <= 4 for r in e2e[2:])
+    dense = e2e[0]["comm_bytes"]
+    assert all(r["comm_bytes"] == dense for r in e2e[:2]) and all(r["comm_bytes"] < dense / 2 for r in e2e[2:])
+    assert rep["comm_bytes"] == sum(r["comm_bytes"] for r in e2e)
+    assert rep["final_train_loss"] == pytest.approx(e2e[-1]["loss"])
+    assert (out / "grad-compress.png").stat().st_size > 1000
+    first = _weights(out)
+    # an interruption after step 6: the e2e result and the student are gone, the step-6 checkpoint is there
+    state = json.loads((out / "work" / "state.json").read_text())
+    state["e2e_done"] = False
+    (out / "work" / "state.json").write_text(json.dumps(state))
+    (out / "work" / "e2e.pt").unlink()
+    import shutil
+
+    shutil.rmtree(out / "student")
+    _torchrun(tmp_path, [*args, "--resume"], out)
+    again = _weights(out)
+    for k in first:
+        torch.testing.assert_close(again[k], first[k], rtol=0, atol=1e-6)
+    log2 = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()][len(log):]
+    e2e2 = [r for r in log2 if r["phase"] == "e2e"]
+    assert [r["step"] for r in e2e2] == [6, 7]  # continued, with the same rank schedule and bytes
+    assert [(r["grad_rank"], r["comm_bytes"]) for r in e2e2] == [(r["grad_rank"], r["comm_bytes"]) for r in e2e[6:]]
+    assert json.loads((out / "report.json").read_text())["comm_bytes"] == rep["comm_bytes"]

@@ -68,6 +68,7 @@ BAD = {
         "--grad-rank": ["0", "-1", HUGE],
         "--grad-rank-min": ["0", "-1", HUGE],
         "--grad-rank-max": ["0", "-1", HUGE],
+        "--grad-warmup": ["1", "-1", HUGE],
     },
     "nas": {
         "--target-latency": ["0", "-1", HUGE_F],

@@ -91,6 +91,7 @@ def distill_command(
     grad_rank: Annotated[int, typer.Option("--grad-rank", help="PowerSGD's rank (--grad-compress powersgd).")] = 8,
     grad_rank_min: Annotated[int, typer.Option("--grad-rank-min", help="EDGC's lowest rank.")] = 2,
     grad_rank_max: Annotated[int, typer.Option("--grad-rank-max", help="EDGC's highest rank (where it starts).")] = 32,
+    grad_warmup: Annotated[int, typer.Option("--grad-warmup", help="Dense all-reduce steps before powersgd/edgc compress (>= 2).")] = 10,
 ) -> None:
     """Distil a smaller student from TEACHER: layer-wise, easy-to-hard, from a cached teacher.
 
@@ -114,7 +115,7 @@ def distill_command(
         phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, e2e_lr=e2e_lr, precision=precision.value, cache_dtype=cache_dtype.value,
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
         save_dtype=save_dtype, grad_compress=grad_compress.value, grad_rank=grad_rank, grad_rank_min=grad_rank_min,
-        grad_rank_max=grad_rank_max,
+        grad_rank_max=grad_rank_max, grad_warmup=grad_warmup,
     )
     cfg.validate()  # every number, before torch loads
     if os.environ.get("RANK", "0") == "0":  # fail fast, before torch loads (rank 0 only: it creates --out)

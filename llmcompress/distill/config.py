@@ -229,5 +229,5 @@ RANGES = {
     "grad_rank": Int("--grad-rank", 1, 1024, note="PowerSGD's rank, e.g. --grad-rank 8"),
     "grad_rank_min": Int("--grad-rank-min", 1, 1024, note="EDGC's lowest rank, e.g. --grad-rank-min 2"),
     "grad_rank_max": Int("--grad-rank-max", 1, 1024, note="EDGC's highest (starting) rank, e.g. --grad-rank-max 32"),
-    "grad_warmup": Int("grad_warmup", 2, MAX_COUNT, note="dense steps before PowerSGD/EDGC compress (DDP rebuilds buckets at step 1)"),
+    "grad_warmup": Int("--grad-warmup", 2, MAX_COUNT, note="dense steps before PowerSGD/EDGC compress (DDP rebuilds buckets at step 1)"),
 }
