@@ -171,6 +171,11 @@ class DistillConfig:
         from llmcompress.errors import UserError
 
         check_ranges(self, RANGES)
+        if self.grad_compress != GradCompress.NONE and self.mode == Mode.LAYERWISE and self.e2e_steps < 1:
+            raise UserError(
+                "--grad-compress applies to data-parallel end-to-end training, and this run has none",
+                "use it with --mode e2e or --e2e-steps N under torchrun",
+            )
         if self.grad_rank_min > self.grad_rank_max:
             raise UserError(
                 f"--grad-rank-min {self.grad_rank_min} is above --grad-rank-max {self.grad_rank_max}",

@@ -438,6 +438,11 @@ def distill(
     run = _Run(cfg, out, dist, dev, tokenizer=lm.tokenizer, segments=segments, state=state)
     run.work.mkdir(parents=True, exist_ok=True)
     _check_data_parallel(cfg, dist)
+    if cfg.grad_compress.value != "none" and not dist.active:
+        import logging
+
+        logging.getLogger("llmcompress.distill").warning("--grad-compress %s has no effect in a single process (run under torchrun)",
+                                                         cfg.grad_compress.value)
     if cfg.mode == Mode.E2E:  # under torchrun: data-parallel (every rank trains on its share of each batch)
         from llmcompress.distill.e2e import train_e2e
 
