@@ -149,7 +149,8 @@ def analyse(results: dict[str, dict], args: dict) -> dict:
     n = len(plain["recs"])
     lo_bw = sum(r["comm_bytes"] for r in plain["recs"]) / max(1e-9, sum(r["hook_s"] for r in plain["recs"]))  # loopback B/s
     rows = {}
-    for arm, res in results.items():
+    for arm in [x for x in ARMS if x in results]:
+        res = results[arm]
         recs = res["recs"]
         tot = sum(r["comm_bytes"] for r in recs)
         mat = sum(r["comm_matrix_bytes"] for r in recs)
@@ -266,12 +267,19 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--out", default=str(HERE))
     ap.add_argument("--work", default="/tmp/bench_edgc")
+    ap.add_argument("--reuse", action="store_true", help="report the other arms from their stored results in --work")
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     args = {"steps": a.steps, "vocab": a.vocab, "seq": a.seq, "batch": a.batch, "lr": a.lr, "start": a.start, "span": a.span,
             "eval_tokens": a.eval_tokens, "data": str(prepare(a.vocab, work))}
     results = {}
+    if a.reuse:  # arms not in --arms: their stored results from an earlier run in --work with the same settings
+        for arm in ARMS:
+            f = work / f"{arm}.json"
+            if arm not in a.arms.split(",") and f.is_file():
+                results[arm] = json.loads(f.read_text())
+                results[arm].setdefault("wall_s", None)
     for arm in a.arms.split(","):
         results[arm] = run_arm(arm, args, work)
         r = results[arm]
