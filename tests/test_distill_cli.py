@@ -83,6 +83,10 @@ def test_bad_inputs_exit_2_with_one_line(tiny_hf_dir, data_file, tmp_path, capsy
         (small(t, d, tmp_path, "--keep-layers", 2, "--e2e-lr", 1e-4, "--out", tmp_path / "o8"), "--e2e-lr sets the learning rate of the --e2e-steps phase"),
         (small(t, d, tmp_path, "--keep-layers", 2, "--lr", 0, "--out", tmp_path / "o9"), "--lr must be > 0 and <= 10 (got 0.0)"),
         (small(t, d, tmp_path, "--keep-layers", 2, "--data", f"{d},,{d}", "--out", tmp_path / "o10"), "empty source in --data"),
+        (small(t, d, tmp_path, "--keep-layers", 2, "--grad-rank-min", 8, "--grad-rank-max", 4, "--out", tmp_path / "o11"),
+         "--grad-rank-min 8 is above --grad-rank-max 4"),
+        (small(t, d, tmp_path, "--keep-layers", 2, "--grad-compress", "edgc", "--out", tmp_path / "o12"),
+         "--grad-compress applies to data-parallel end-to-end training"),
     ]
     for args, match in cases:
         assert_one_line_error(in_process(capsys, *args), match)

@@ -151,3 +151,31 @@ def test_estimate_sigma_matches_numpy_reference():
         assert codec.estimate_sigma(x, kind, samples=1 << 20) == pytest.approx(ref, rel=1e-12)
     nan = torch.full((10,), float("nan"), dtype=torch.bfloat16)
     assert codec.estimate_sigma(codec._flat_view(nan)[0], codec.KIND_BF16) == 0.0
+
+
+
+def test_runs_of_longest_codes_in_the_four_stream_loop():
+    """Runs of 15-bit codes (a gradient row of a frequent token is a run of rare exponents): four of them
+    (60 bits) do not fit in one 64-bit refill, which holds only >= 57 valid bits. The decoder used to read
+    zeros past the refill and return other symbols (found by bench/bench_edgc.py: zip was not bit-identical)."""
+    rng = np.random.default_rng(0)
+    freq = np.zeros(256, np.int64)
+    freq[:40] = (1 << 30) >> np.arange(40)  # geometric: the rare symbols get the longest codes
+    freq[40:] = 1
+    lens = codec._huff_lengths(freq, codec.MAXLEN)
+    longest = np.flatnonzero(lens == codec.MAXLEN)
+    assert len(longest) >= 4
+    for trial in range(8):
+        n = 4096 + trial  # every alignment of the runs against the refills
+        syms = rng.choice(np.arange(4), size=n, p=[0.5, 0.25, 0.15, 0.1]).astype(np.uint8)
+        for start in range(trial, n - 64, 97):
+            syms[start : start + 24] = rng.choice(longest, size=24)
+        codes, slow = codec._canonical(lens)
+        lut = codec._build_lut(codes)
+        scr = np.empty(4 * ((((n + 3) // 4) * codec.MAXLEN) // 32 + 4), np.uint32)
+        out = np.zeros(n * 4 + 64, np.uint8)
+        end = codec._encode4(syms, n, codes, out, 0, scr, len(out))
+        assert end > 0
+        dst = np.zeros(n + 16, np.uint8)
+        assert codec._decode4(out, 0, end, n, lut, slow, dst) == 0
+        assert np.array_equal(dst[:n], syms)

@@ -66,6 +66,10 @@ BAD = {
         "--eval-tokens": ["-1", HUGE],
         "--threads": ["0", "-1", HUGE],
         "--seed": ["-1", SEED_OVER],
+        "--grad-rank": ["0", "-1", HUGE],
+        "--grad-rank-min": ["0", "-1", HUGE],
+        "--grad-rank-max": ["0", "-1", HUGE],
+        "--grad-warmup": ["1", "-1", HUGE],
     },
     "nas": {
         "--target-latency": ["0", "-1", HUGE_F],

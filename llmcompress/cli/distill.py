@@ -19,7 +19,15 @@ from llmcompress.cli._options import (
     SpecOpt,
     given,
 )
-from llmcompress.distill.config import CacheDtype, DistillConfig, HiddenLoss, Mode, Precision, Select
+from llmcompress.distill.config import (
+    CacheDtype,
+    DistillConfig,
+    GradCompress,
+    HiddenLoss,
+    Mode,
+    Precision,
+    Select,
+)
 
 D = DistillConfig  # the defaults the help shows come from the config
 
@@ -60,11 +68,17 @@ def distill_command(
     allow_pickle: AllowPickleOpt = False,
     keep_work: Annotated[bool, typer.Option("--keep-work", help="Keep OUT/work (segment weights, features, resume state) after success.")] = False,
     push_to_hub: PushOpt = None,
+    grad_compress: Annotated[Optional[GradCompress], typer.Option("--grad-compress", help="Gradient exchange of data-parallel e2e training under torchrun: none | zip (lossless) | powersgd (fixed --grad-rank) | edgc (entropy-adapted rank).")] = None,
+    grad_rank: Annotated[Optional[int], typer.Option("--grad-rank", help="PowerSGD's rank (--grad-compress powersgd).")] = None,
+    grad_rank_min: Annotated[Optional[int], typer.Option("--grad-rank-min", help="EDGC's lowest rank.")] = None,
+    grad_rank_max: Annotated[Optional[int], typer.Option("--grad-rank-max", help="EDGC's highest rank (where it starts).")] = None,
+    grad_warmup: Annotated[Optional[int], typer.Option("--grad-warmup", help="Dense all-reduce steps before powersgd/edgc compress (>= 2).")] = None,
 ) -> None:
     """Distil a smaller student from TEACHER: layer-wise, easy-to-hard, from a cached teacher.
 
     Writes OUT/student (HF checkpoint + llmcompress.json with layer_map), OUT/train_log.jsonl,
-    OUT/report.md and OUT/metrics.json. Under torchrun, segments are spread over ranks.
+    OUT/report.md, OUT/report.json and OUT/metrics.json. Under torchrun, segments are spread over ranks, and
+    --mode e2e and the --e2e-steps phase train data-parallel (DDP; --grad-compress picks the gradient exchange).
     """
     from llmcompress.distill.config import DistillConfig, config_from_dict, load_spec
     from llmcompress.errors import UserError
@@ -87,7 +101,8 @@ def distill_command(
         batch_size=batch_size, lr=lr, hidden_loss=hidden_loss, kl_weight=kl_weight, ce_weight=ce_weight,
         phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, e2e_lr=e2e_lr, precision=precision, cache_dtype=cache_dtype,
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
-        save_dtype=save_dtype,
+        save_dtype=save_dtype, grad_compress=grad_compress, grad_rank=grad_rank, grad_rank_min=grad_rank_min,
+        grad_rank_max=grad_rank_max, grad_warmup=grad_warmup,
     )
     cfg = config_from_dict(overrides, base=load_spec(spec) if spec is not None else DistillConfig())
     cfg.validate()  # every number, before torch loads

@@ -56,9 +56,14 @@ def _decode(b: torch.Tensor, like: torch.Tensor, compress: bool, threads: int) -
     return out.reshape(like.shape).to(like.device)
 
 
-def _exchange(outgoing: list[bytes], group=None) -> list[torch.Tensor]:
-    """Send outgoing[j] to rank j, receive incoming[i] from rank i (own entry passes through)."""
+def _exchange(outgoing: list[bytes], group=None, tally=None) -> list[torch.Tensor]:
+    """Send outgoing[j] to rank j, receive incoming[i] from rank i (own entry passes through).
+
+    `tally` (an object with `bytes_sent`, e.g. a Strategy) counts the bytes sent to the other ranks.
+    """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if tally is not None:
+        tally.bytes_sent += sum(8 + len(b) for j, b in enumerate(outgoing) if j != rank)
     dev = _dev(group)
     sizes_out = [torch.tensor([len(b)], dtype=torch.int64, device=dev) for b in outgoing]
     sizes_in = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
@@ -84,11 +89,11 @@ def _exchange(outgoing: list[bytes], group=None) -> list[torch.Tensor]:
     return incoming
 
 
-def all_gather(tensor: torch.Tensor, group=None, *, compress: bool = True, threads: int = 1) -> list[torch.Tensor]:
+def all_gather(tensor: torch.Tensor, group=None, *, compress: bool = True, threads: int = 1, tally=None) -> list[torch.Tensor]:
     """Every rank's tensor (same shape and dtype on all ranks), in rank order."""
     world = dist.get_world_size(group)
     blob = _encode(tensor, compress, threads)
-    incoming = _exchange([blob] * world, group)
+    incoming = _exchange([blob] * world, group, tally)
     return [_decode(b, tensor, compress, threads) for b in incoming]
 
 
@@ -97,13 +102,13 @@ def _shards(flat: torch.Tensor, world: int) -> list[torch.Tensor]:
 
 
 def reduce_scatter(
-    tensor: torch.Tensor, group=None, *, compress: bool = True, threads: int = 1, scale: float | None = None
+    tensor: torch.Tensor, group=None, *, compress: bool = True, threads: int = 1, scale: float | None = None, tally=None
 ) -> torch.Tensor:
     """Rank r gets shard r of sum over ranks (rank-ordered float32 sum, times `scale`, cast back)."""
     world = dist.get_world_size(group)
     flat = tensor.detach().reshape(-1)
     shards = _shards(flat, world)
-    incoming = _exchange([_encode(s, compress, threads) for s in shards], group)
+    incoming = _exchange([_encode(s, compress, threads) for s in shards], group, tally)
     mine = shards[dist.get_rank(group)]
     acc = None
     for b in incoming:  # rank order
@@ -115,14 +120,14 @@ def reduce_scatter(
 
 
 def all_reduce(
-    tensor: torch.Tensor, group=None, *, compress: bool = True, threads: int = 1, scale: float | None = None
+    tensor: torch.Tensor, group=None, *, compress: bool = True, threads: int = 1, scale: float | None = None, tally=None
 ) -> torch.Tensor:
     """Sum over ranks (see module doc for the order); returns a new tensor of tensor's shape."""
     world = dist.get_world_size(group)
-    shard = reduce_scatter(tensor, group, compress=compress, threads=threads, scale=scale)
+    shard = reduce_scatter(tensor, group, compress=compress, threads=threads, scale=scale, tally=tally)
     shapes = [s.numel() for s in _shards(tensor.reshape(-1), world)]
     blob = _encode(shard, compress, threads)
-    incoming = _exchange([blob] * world, group)
+    incoming = _exchange([blob] * world, group, tally)
     parts = [
         _decode(b, torch.empty(n, dtype=tensor.dtype, device=tensor.device), compress, threads)
         for b, n in zip(incoming, shapes)
@@ -149,6 +154,7 @@ class Strategy:
     force: str | None = None  # "compressed" | "plain" to override
     codec_stats: dict = field(default_factory=dict)  # dtype -> (enc MB/s, dec MB/s, ratio)
     decisions: list = field(default_factory=list)
+    bytes_sent: int = 0  # what the hook sent to the other ranks (sizes and payloads)
 
     def measure_codec(self, dtype: torch.dtype, numel: int = 1 << 20) -> tuple[float, float, float]:
         key = str(dtype)
@@ -216,7 +222,7 @@ def zipccl_hook(state: Strategy | None, bucket) -> torch.futures.Future[torch.Te
     world = dist.get_world_size(group)
     use = strategy.choose(buf.numel() * buf.element_size(), buf.dtype, group)
     buf.div_(world)
-    out = all_reduce(buf, group, compress=use, threads=strategy.threads)
+    out = all_reduce(buf, group, compress=use, threads=strategy.threads, tally=strategy)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(out)
     return fut

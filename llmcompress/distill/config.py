@@ -37,6 +37,15 @@ class Select(str, Enum):
     BI = "bi"  # Block Influence: drop the layers whose output is most like their input
 
 
+class GradCompress(str, Enum):
+    """How data-parallel e2e training (torchrun) exchanges gradients (llmcompress/comm/edgc.py)."""
+
+    NONE = "none"  # DDP's all-reduce
+    ZIP = "zip"  # lossless ZipCCL: the same bits, fewer bytes
+    POWERSGD = "powersgd"  # torch's PowerSGD hook at the fixed rank grad_rank
+    EDGC = "edgc"  # PowerSGD with the rank adapted to the gradients' entropy in [grad_rank_min, grad_rank_max]
+
+
 class HiddenLoss(str, Enum):
     """Per-token hidden-state loss of a segment."""
 
@@ -93,6 +102,9 @@ class DistillConfig:
         eval_tokens: tokens of WikiText-2 raw test for the report's perplexities (0 skips).
         threads: torch intra-op threads (None: torch's default). On a shared CPU, 1 can be much faster.
         seed: everything random derives from it (per segment: seed + segment index).
+        grad_compress: gradient exchange of data-parallel e2e training under torchrun: none | zip | powersgd | edgc.
+        grad_rank: PowerSGD's fixed rank (powersgd); grad_rank_min / grad_rank_max: EDGC's rank range (it starts at
+            the maximum); grad_warmup: dense all-reduce steps before either compresses (>= 2).
     """
 
     teacher: str = DEFAULT_MODEL
@@ -128,6 +140,11 @@ class DistillConfig:
     seed: int = 0
     threads: int | None = None
     save_dtype: str | None = None  # dtype of the saved student (None: the teacher's source dtype; io/dtypes.py)
+    grad_compress: GradCompress = GradCompress.NONE
+    grad_rank: int = 8
+    grad_rank_min: int = 2
+    grad_rank_max: int = 32
+    grad_warmup: int = 10
     version: int = 1
 
     def __post_init__(self) -> None:
@@ -136,6 +153,7 @@ class DistillConfig:
         self.hidden_loss = choice(HiddenLoss, self.hidden_loss, "hidden_loss")
         self.cache_dtype = choice(CacheDtype, self.cache_dtype, "cache_dtype")
         self.precision = choice(Precision, self.precision, "precision")
+        self.grad_compress = choice(GradCompress, self.grad_compress, "grad_compress")
         if self.save_dtype is not None:
             from llmcompress.io.dtypes import torch_dtype
 
@@ -157,6 +175,16 @@ class DistillConfig:
         from llmcompress.errors import UserError
 
         check_ranges(self, RANGES)
+        if self.grad_compress != GradCompress.NONE and self.mode == Mode.LAYERWISE and self.e2e_steps < 1:
+            raise UserError(
+                "--grad-compress applies to data-parallel end-to-end training, and this run has none",
+                "use it with --mode e2e or --e2e-steps N under torchrun",
+            )
+        if self.grad_rank_min > self.grad_rank_max:
+            raise UserError(
+                f"--grad-rank-min {self.grad_rank_min} is above --grad-rank-max {self.grad_rank_max}",
+                "give a range with min <= max, e.g. --grad-rank-min 2 --grad-rank-max 32",
+            )
         if self.e2e_lr is not None and (self.mode == Mode.E2E or self.e2e_steps < 1):
             raise UserError(
                 "--e2e-lr sets the learning rate of the --e2e-steps phase, and this run has none",
@@ -199,6 +227,10 @@ RANGES = {
     "eval_seq_len": Int("eval_seq_len", 2, MAX_SEQ),
     "seed": Int("--seed", 0, MAX_SEED),
     "threads": Int("--threads", 1, MAX_THREADS),
+    "grad_rank": Int("--grad-rank", 1, 1024, note="PowerSGD's rank, e.g. --grad-rank 8"),
+    "grad_rank_min": Int("--grad-rank-min", 1, 1024, note="EDGC's lowest rank, e.g. --grad-rank-min 2"),
+    "grad_rank_max": Int("--grad-rank-max", 1, 1024, note="EDGC's highest (starting) rank, e.g. --grad-rank-max 32"),
+    "grad_warmup": Int("--grad-warmup", 2, MAX_COUNT, note="dense steps before PowerSGD/EDGC compress (DDP rebuilds buckets at step 1)"),
 }
 
 

@@ -64,6 +64,12 @@ def logit_steps(run: Run, model, layers, *, steps: int, lr: float, order: list, 
     batch `load(order[s])` (a dict with "ids", prefetched) and gets the teacher's logits from
     `teacher_logits(batch, ids)` (no grad). The layers and optimiser state are checkpointed to
     work/`name` every quarter of the steps; a rerun continues from the last checkpoint.
+
+    Under torchrun (world W > 1) the loop is data-parallel: `model` is wrapped in DDP (gloo on CPU, nccl on
+    GPU; DDP copies rank 0's weights to every rank), each rank trains on rows [r B/W, (r+1) B/W) of every
+    global batch of B blocks, and DDP averages the gradients through the `--grad-compress` hook
+    (comm/edgc.py), so the update equals the single-process one on the whole batch up to floating-point
+    order (for `none` and the lossless `zip`). The logged loss is the mean over ranks (the global batch's).
     """
     import torch
 
@@ -75,44 +81,130 @@ def logit_steps(run: Run, model, layers, *, steps: int, lr: float, order: list, 
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-    start = restore(run, layers, opt, steps, name=name)
+    comp = _grad_compression(run, model)
+    start = restore(run, layers, opt, steps, name=name, comp=comp)
+    ddp = _wrap(run, model, comp)
+    fwd = ddp if ddp is not None else model
     every = max(1, steps // 4)
     with bar(title, total=steps) as b:
         b.advance(start)
         for step, batch in enumerate(prefetch(load, order[start:], depth=cfg.prefetch), start=start):
+            t0 = time.perf_counter()
+            batch = shard(batch, run.dist.rank, run.dist.world_size)
             for g in opt.param_groups:
                 g["lr"] = cur.lr_at(step, steps, lr)
             ids = batch["ids"].to(run.device)
             with torch.no_grad(), run.autocast():
                 t_logits = teacher_logits(batch, ids)
             with run.autocast():
-                s_logits = model(input_ids=ids, use_cache=False).logits
+                s_logits = fwd(input_ids=ids, use_cache=False).logits
             loss, parts = losses.logit_objective(s_logits, t_logits, ids, cfg.kl_temperature, cfg.ce_weight)
             losses.optimizer_step(opt, params, loss)
-            run.log({"phase": "e2e", "step": step, "loss": loss.item(), **parts})
-            b.advance(info=f"loss={loss.item():.4f}")
+            rec = {"phase": "e2e", "step": step, "loss": loss.item(), **parts}
+            if comp is not None:
+                rec = {**rec, **_mean_over_ranks(rec, parts), **comp.end_step(), "step_s": round(time.perf_counter() - t0, 4)}
+            run.log(rec)
+            b.advance(info=f"loss={rec['loss']:.4f}")
             del t_logits, s_logits, loss
             if (step + 1) % every == 0 and step + 1 < steps:
-                checkpoint(run, layers, opt, step + 1, steps, name=name)
+                checkpoint(run, layers, opt, step + 1, steps, name=name, comp=comp)
+    if ddp is not None:
+        del ddp  # its hooks on the parameters go with it
+    if comp is not None:
+        run.comm = comp
     for p in params:
         p.requires_grad_(False)
         p.grad = None
 
 
-def checkpoint(run: Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.json") -> None:
-    """Student layers + optimiser state after `step` steps, written to work/`name` (+ .safetensors; for --resume)."""
+def shard(batch: dict, rank: int, world: int) -> dict:
+    """Rank `rank`'s rows of every tensor in `batch` (contiguous, equal shares of the global batch)."""
+    if world <= 1:
+        return batch
+    out = {}
+    for k, v in batch.items():
+        n = v.shape[0] // world
+        out[k] = v[rank * n : (rank + 1) * n]
+    return out
+
+
+def _mean_over_ranks(rec: dict, parts: dict) -> dict:
+    """The loss (and its parts) averaged over ranks: the global batch's value, identical on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    keys = ["loss", *parts]
+    t = torch.tensor([float(rec[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {k: float(v) / dist.get_world_size() for k, v in zip(keys, t)}
+
+
+def _grad_compression(run: Run, model):
+    """The `--grad-compress` scheme's hook state (None in a single process: nothing to exchange)."""
+    if not run.dist.active:
+        return None
+    from llmcompress.comm.edgc import GradCompression
+
+    cfg = run.cfg
+    return GradCompression(cfg.grad_compress.value, model, rank=cfg.grad_rank, r_min=cfg.grad_rank_min, r_max=cfg.grad_rank_max,
+                           start_iter=cfg.grad_warmup, seed=cfg.seed)
+
+
+def _wrap(run: Run, model, comp):
+    if comp is None:
+        return None
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = torch.device(run.device)
+    ids = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else None
+    ddp = DDP(model, device_ids=ids, broadcast_buffers=False)  # copies rank 0's weights to every rank
+    comp.register(ddp)
+    return ddp
+
+
+def _comm_path(run: Run, name: str, step: int):
+    return run.work / f"{name}.comm-rank{run.dist.rank}-step{step}.pt"
+
+
+def checkpoint(run: Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.json", comp=None) -> None:
+    """Student layers + optimiser state after `step` steps, written to work/`name` (+ .safetensors; for --resume).
+
+    Data-parallel: every rank first writes its gradient-compression state (its own error feedback, the rank
+    schedule, byte totals) to work/`name`.comm-rank{r}-step{step}.pt, then rank 0 writes the weights.
+    """
+    import torch
+
+    from llmcompress.io.atomic import atomic_path
     from llmcompress.io.rundir import save_state
 
-    save_state(run.work / name, {"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict()})
+    if comp is not None:
+        with atomic_path(_comm_path(run, name, step)) as tmp:
+            torch.save({"step": step, "comm": comp.state_dict()}, tmp)
+        run.dist.barrier()
+    if run.dist.is_main:
+        save_state(run.work / name, {"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict()})
+    if comp is not None:
+        run.dist.barrier()
+        for old in run.work.glob(f"{name}.comm-rank{run.dist.rank}-step*.pt"):
+            if old != _comm_path(run, name, step):
+                old.unlink(missing_ok=True)
 
 
-def restore(run: Run, layers, opt, steps: int, name: str = "e2e-checkpoint.json") -> int:
+def restore(run: Run, layers, opt, steps: int, name: str = "e2e-checkpoint.json", comp=None) -> int:
     """Step to continue from (0 without a matching checkpoint in work/`name`)."""
     from llmcompress.io.rundir import load_state
 
     st = load_state(run.work / name)
     if st is None or st["steps"] != steps:
         return 0
+    if comp is not None:
+        import torch
+
+        cpath = _comm_path(run, name, int(st["step"]))
+        if not cpath.is_file():
+            return 0
+        comp.load_state_dict(torch.load(cpath, weights_only=True)["comm"])
     layers.load_state_dict(st["layers"])
     opt.load_state_dict(st["opt"])
     return int(st["step"])

@@ -302,6 +302,36 @@ def _e2e_from_cache(run: Run, steps: int) -> None:
 # ------------------------------------------------------------------------------------------ runs
 
 
+def _check_data_parallel(cfg: DistillConfig, dist: DistInfo) -> None:
+    """Data-parallel e2e splits every batch evenly over the ranks."""
+    if dist.active and (cfg.mode == Mode.E2E or cfg.e2e_steps > 0) and cfg.batch_size % dist.world_size:
+        from llmcompress.errors import UserError
+
+        raise UserError(f"--batch-size {cfg.batch_size} does not split evenly over {dist.world_size} ranks",
+                        f"use a multiple of {dist.world_size} (each rank trains on its share of every batch)")
+
+
+def _run_report(run: Run, metrics: dict) -> dict:
+    """OUT/report.json: the figures a comparison of runs needs (gradient bytes, final training loss)."""
+    import json
+
+    recs = [json.loads(x) for x in (run.out / "train_log.jsonl").read_text().splitlines() if x.strip()] if (run.out / "train_log.jsonl").is_file() else []
+    e2e = {r["step"]: r for r in recs if r.get("phase") == "e2e"}  # the last record of each step (a resumed run repeats none)
+    losses_ = [e2e[k]["loss"] for k in sorted(e2e)]
+    n = max(1, len(losses_) // 10)
+    comm = metrics.get("grad_compress") or {}
+    step_s = sum(r.get("step_s", 0.0) for r in e2e.values())
+    monitor = sum(r.get("monitor_s", 0.0) for r in e2e.values())
+    return {
+        "mode": run.cfg.mode.value, "world_size": run.dist.world_size, "grad_compress": run.cfg.grad_compress.value,
+        "comm_bytes": int(comm.get("comm_bytes", 0)), "comm_matrix_bytes": int(comm.get("comm_matrix_bytes", 0)),
+        "final_train_loss": sum(losses_[-n:]) / n if losses_ else None, "train_steps": len(losses_),
+        "final_grad_rank": comm.get("final_rank"), "grad_rank_changes": comm.get("rank_changes"),
+        "monitor_share_of_step_time": (monitor / step_s) if step_s else None,
+        "student_ppl": metrics.get("student_ppl"), "train_wall_s": metrics.get("train_wall_s"),
+    }
+
+
 def _n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -357,9 +387,13 @@ def distill(
     t_train = time.perf_counter()
     run = Run(cfg, out, dist, dev, tokenizer=lm.tokenizer, segments=segments, state=state)
     run.work.mkdir(parents=True, exist_ok=True)
-    if cfg.mode == Mode.E2E and not dist.is_main:  # the baseline is single-process; other ranks idle
-        return DistillResult(out, None, layer_map, segments, metrics)
-    if cfg.mode == Mode.E2E:
+    _check_data_parallel(cfg, dist)
+    if cfg.grad_compress.value != "none" and not dist.active:
+        import logging
+
+        logging.getLogger("llmcompress.distill").warning("--grad-compress %s has no effect in a single process (run under torchrun)",
+                                                         cfg.grad_compress.value)
+    if cfg.mode == Mode.E2E:  # under torchrun: data-parallel (every rank trains on its share of each batch)
         from llmcompress.distill.e2e import train_e2e
 
         student = train_e2e(run, lm.model, keep, blocks)
@@ -370,6 +404,13 @@ def distill(
         student = _layerwise(run, lm, keep, blocks, metrics)
     metrics["train_wall_s"] = round(time.perf_counter() - t_train - metrics.get("eval_before_s", 0.0), 2)  # evaluation excluded
     metrics["peak_rss_mb"] = round(peak_rss_mb(), 1)
+    if run.comm is not None:
+        metrics["grad_compress"] = run.comm.summary()
+        if dist.is_main and run.comm.psgd is not None and run.comm.psgd.adapt:
+            from llmcompress.comm.edgc import plot_traces
+
+            plot_traces(run.comm.psgd.rank_trace, run.comm.psgd.entropy_trace, out / "grad-compress.png",
+                        title=f"EDGC: PowerSGD rank and gradient entropy ({dist.world_size} ranks)")
     if not dist.is_main:
         return DistillResult(out, None, layer_map, segments, metrics)
     metrics["student_parameters"] = _n_params(student)
@@ -385,6 +426,7 @@ def distill(
     saved = json.loads((student_dir / MANIFEST).read_text())
     metrics["student_bytes_on_disk"], metrics["student_dtype"] = saved.get("bytes_on_disk"), saved.get("dtype")
     write_json(out / "metrics.json", metrics)
+    write_json(out / "report.json", _run_report(run, metrics))
 
     write_report(out, cfg, metrics)
     if not keep_work:  # only what --resume needed: the finished run does not (hundreds of MB on a real model)
@@ -459,19 +501,21 @@ def _layerwise(run: Run, lm, keep: list[int] | None, blocks, metrics: dict):
     if steps1 > 0:
         _phase1(run, steps1, p1_shards)
     metrics["phase1_s"] = round(time.perf_counter() - t1, 2)
-    if not run.dist.is_main:
+    data_parallel = run.dist.active and cfg.e2e_steps > 0
+    if not run.dist.is_main and not data_parallel:
         return model
     t2 = time.perf_counter()
-    if steps2 > 0:
+    if steps2 > 0 and run.dist.is_main:  # phase 2 is sequential (rank 0); with --e2e-steps the others wait for it
         _phase2(run, steps2, p2_shards)
     metrics["phase2_s"] = round(time.perf_counter() - t2, 2)
     if cfg.e2e_steps > 0:
         t3 = time.perf_counter()
-        if not run.state.get("e2e_done") or not (run.work / "e2e.json").is_file():  # (a run saved before e2e.json redoes it)
+        if run.dist.broadcast(not run.state.get("e2e_done") or not (run.work / "e2e.json").is_file()):  # data-parallel: DDP copies rank 0's student to all; a run saved before e2e.json redoes it
             _e2e_from_cache(run, cfg.e2e_steps)
-            save_state(run.work / "e2e.json", {"model": model.state_dict()})
-            run.state["e2e_done"] = True
-            run.save_state()
+            if run.dist.is_main:
+                save_state(run.work / "e2e.json", {"model": model.state_dict()})
+                run.state["e2e_done"] = True
+                run.save_state()
         else:
             model.load_state_dict(load_state(run.work / "e2e.json")["model"])
         metrics["e2e_s"] = round(time.perf_counter() - t3, 2)

@@ -31,6 +31,12 @@ def render(cfg, metrics: dict[str, Any]) -> str:
         ("total wall time (s)", metrics.get("wall_s")),
         ("peak resident memory (MiB)", metrics.get("peak_rss_mb")),
     ]
+    comm = metrics.get("grad_compress")
+    if comm:
+        rows.append(("data-parallel ranks, gradient exchange", f"{comm['world_size']}, {comm['grad_compress']}"))
+        rows.append(("gradient bytes sent by rank 0 (all / weight matrices)", f"{_fmt(comm['comm_bytes'])} / {_fmt(comm['comm_matrix_bytes'])}"))
+        if comm.get("final_rank") is not None:
+            rows.append(("PowerSGD rank at the end (changes)", f"{comm['final_rank']} ({len(comm.get('rank_changes') or [])})"))
     for key, label in (("cache_s", "feature caching (s)"), ("phase1_s", "phase 1 (s)"), ("phase2_s", "phase 2 (s)"), ("e2e_s", "end-to-end steps (s)")):
         if key in metrics:
             rows.append((label, metrics[key]))

@@ -32,6 +32,7 @@ class Run:
     head: Any = None
     state: dict = field(default_factory=dict)
     log_buffer: list = field(default_factory=list)
+    comm: Any = None  # the data-parallel e2e loop's gradient compression (comm/edgc.py GradCompression)
 
     @property
     def work(self) -> Path:

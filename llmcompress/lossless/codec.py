@@ -311,7 +311,8 @@ def _decode4(src, pos, slen, n, lut, slow, dst):
         w1 = _ld64(src, p1 >> 3) >> (p1 & 7)
         w2 = _ld64(src, p2 >> 3) >> (p2 & 7)
         w3 = _ld64(src, p3 >> 3) >> (p3 & 7)
-        for _ in range(4):
+        # a refill holds >= 57 valid bits: 3 lookups of at most MAXLEN (15) bits each fit, 4 long codes (60) do not
+        for _ in range(3):
             f0 = lut[w0 & MASK]
             f1 = lut[w1 & MASK]
             f2 = lut[w2 & MASK]

@@ -1,0 +1,82 @@
+"""Gradient compression for DDP (comm/edgc.py): 2 and 3 gloo processes on loopback, and the pure math."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+
+def test_entropy_estimator():
+    from llmcompress.comm.edgc import entropy_bits
+
+    g = torch.Generator().manual_seed(0)
+    uniform = torch.rand(200_000, generator=g)
+    assert entropy_bits(uniform, fraction=1.0) == pytest.approx(math.log2(1000), abs=0.02)  # flat histogram
+    assert entropy_bits(torch.full((1000,), 3.0)) == 0.0  # one bin
+    peaked = torch.randn(200_000, generator=g) ** 5  # heavy tails: mass in few bins
+    assert entropy_bits(peaked, fraction=1.0) < entropy_bits(torch.randn(200_000, generator=g), fraction=1.0) - 2
+    # the strided subsample sees a fraction of the elements: a tensor whose even elements are constant
+    alt = torch.stack([torch.zeros(50_000), torch.rand(50_000, generator=g)], 1).reshape(-1)
+    assert entropy_bits(alt, fraction=0.5) == 0.0 and entropy_bits(alt, fraction=1.0) > 1.0
+
+
+def test_quantification_model_and_bounded_step():
+    from llmcompress.comm.edgc import next_rank, target_rank
+
+    assert target_rank(8.0, 8.0, 0.05, 2, 32) == 32  # at the reference: r_max
+    assert target_rank(8.5, 8.0, 0.05, 2, 32) == 32  # more information: still r_max
+    assert target_rank(8.0 - 0.4, 8.0, 0.05, 2, 32) == 2  # dropped by the span: r_min
+    assert target_rank(8.0 - 0.2, 8.0, 0.05, 2, 32) == 17  # halfway: linear
+    assert [next_rank(32, 2, 4), next_rank(10, 12, 4), next_rank(3, 20, 4)] == [28, 12, 7]
+
+
+def _psgd_bytes(shapes, rank, min_rate=2.0):
+    total = 0
+    for shape in shapes:
+        n, m = shape[0], math.prod(shape[1:]) if len(shape) > 1 else 1
+        r = min(n, m, rank)
+        total += 4 * ((n + m) * r if len(shape) > 1 and (n + m) * r * min_rate < n * m else n * m)
+    return total
+
+
+@pytest.mark.dist
+def test_two_ranks_zip_bit_identical_forced_rank_change_keeps_error_feedback(tmp_path):
+    from llmcompress.comm._edgc_selftest import _model, run
+
+    res = run(2, str(tmp_path), "schemes,force")
+    shapes = [tuple(p.shape) for p in _model().parameters()]
+    dense = 4 * sum(math.prod(s) for s in shapes)  # 2 ranks: a ring all-reduce sends the payload once
+    for r in res:
+        assert torch.equal(r["zip"]["flat"], r["none"]["flat"])  # lossless: same bits as plain all-reduce
+        assert [x["comm_bytes"] for x in r["none"]["recs"]] == [dense] * 6
+        assert all(0 < x["comm_bytes"] < dense for x in r["zip"]["recs"])  # counted on the wire, compressed
+        # PowerSGD: dense warm-up steps are counted too, then P and Q (and the uncompressed tensors)
+        assert [x["comm_bytes"] for x in r["powersgd"]["recs"]] == [dense] * 3 + [_psgd_bytes(shapes, 8)] * 5
+        f = r["force"]
+        assert f["changes"][5] == {"error_kept": True, "pq_cleared": True, "rank": 2}
+        assert f["changes"][8] == {"error_kept": True, "pq_cleared": True, "rank": 6}
+        assert f["rank_trace"][:9] == [None] * 3 + [8] * 3 + [2] * 3 and f["rank_trace"][9] == 6
+        assert [x["comm_bytes"] for x in f["recs"]][6:9] == [_psgd_bytes(shapes, 2)] * 3
+    assert torch.equal(res[0]["force"]["flat"], res[1]["force"]["flat"])  # replicas stay in sync
+
+
+@pytest.mark.dist
+def test_three_ranks_agree_on_rank_and_resume_continues_the_schedule(tmp_path):
+    from llmcompress.comm._edgc_selftest import run
+
+    res = run(3, str(tmp_path), "resume")
+    full = [r["full"] for r in res]
+    # local gradients differ (each rank's inputs are scaled differently), the rank schedule does not
+    assert all(f["rank_trace"] == full[0]["rank_trace"] for f in full)
+    assert len(full[0]["summary"]["rank_changes"]) >= 1 and full[0]["summary"]["final_rank"] < 8  # it adapted
+    for r in res:
+        a, b = r["full"], r["resumed"]
+        assert r["half"]["rank_trace"] == a["rank_trace"][:11]
+        assert b["rank_trace"] == a["rank_trace"]
+        assert [h is None for h in b["entropy_trace"]] == [h is None for h in a["entropy_trace"]]
+        assert [h for h in b["entropy_trace"] if h] == pytest.approx([h for h in a["entropy_trace"] if h], abs=1e-3)
+        assert b["summary"]["comm_bytes"] == a["summary"]["comm_bytes"]
+        # 3 ranks: gloo's ring sums chunks in an order that depends on the bucket layout (rebuilt on resume)
+        torch.testing.assert_close(b["flat"], a["flat"], rtol=0, atol=1e-6)
