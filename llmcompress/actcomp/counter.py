@@ -70,6 +70,10 @@ class SavedBytes:
         out["saved_linear_input_uncompressed_bytes"] = self.peak_uncompressed_linear_input or self.peak["linear_input"]
         return out
 
+    def holds(self, t) -> bool:
+        """Whether `t`'s storage is already saved for backward in this step."""
+        return (t.untyped_storage().data_ptr(), t.device) in self._seen
+
     # ---- pack path -----------------------------------------------------------------------------
 
     def pack(self, t):

@@ -20,6 +20,11 @@ P is drawn from a generator seeded by (seed, step, draw) - one draw per sketched
 and regenerated in backward, never stored; `set_step(step)` makes a resumed run draw the same P's, and
 `state_dict()` (seed, step, draw, auto ranks and their statistics) is the rest of the state.
 
+An input whose storage the graph already holds (saved by an earlier operation: with PyTorch's CPU
+flash attention the o_proj input is a view of the attention output it saves) is not sketched: the exact
+linear saves a view of it at no cost, a sketch would only add bytes. This needs the saved-bytes counter
+(`count=True`, the default), which knows what was packed so far in the step.
+
 Inputs shared by several linears (q/k/v read the same normed hidden state; gate/up the same) are
 sketched once: a linear called on the very tensor the previous sketched linear was called on (same
 object, unmodified) reuses its sketch and seed, so the graph holds one N × r tensor for the group.
@@ -92,6 +97,34 @@ class _SketchedLinear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0).to(weight.dtype)
         return dx, dw, db, None, None, None, None, None
+
+
+class _HeldLinear(torch.autograd.Function):
+    """y = x Wᵀ + b for an input the graph already holds: saves (W, x) - both already in memory, so unlike
+    autocast's F.linear no bf16 copy of W is kept - and computes the exact gradients."""
+
+    @staticmethod
+    def forward(x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias = inputs
+        ctx.save_for_backward(weight, x)
+        ctx.has_bias = bias is not None
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, x = ctx.saved_tensors
+        g = grad_out.reshape(-1, weight.shape[0])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = (g @ weight.to(g.dtype)).reshape(x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (g.t() @ x.reshape(-1, weight.shape[1]).to(g.dtype)).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g.sum(0).to(weight.dtype)
+        return dx, dw, db
 
 
 class ActCompressor:
@@ -200,6 +233,9 @@ class ActCompressor:
             if r is None:
                 self._last = None
                 return F.linear(x, weight, bias)
+            if self.counter is not None and self.counter.holds(x):  # already held: saving it is free, and exact
+                self._last = None
+                return _HeldLinear.apply(x, weight, bias)
             seed = projection_seed(self.seed, self.step, self.draw)
             self.draw += 1
             dtype = _compute_dtype(x)
@@ -291,3 +327,54 @@ def compress_activations(model, rank=None, *, budget: float = 0.25, kind: str = 
         for m in patched:
             m.__dict__.pop("forward", None)
         ac._last = None
+
+
+class _CountOnly:
+    """What `training()` yields without compression: the saved-bytes counter, the same methods."""
+
+    rank = None
+
+    def __init__(self, counter) -> None:
+        self.counter = counter
+
+    def set_step(self, step: int) -> None:
+        self.counter.reset()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, st: dict) -> None:
+        pass
+
+
+@contextmanager
+def training(modules, rank=None, *, budget: float = 0.25, seed: int = 0):
+    """The context a training loop puts around its steps (distill, nas): `compress_activations` when `rank`
+    is set, else only the saved-bytes count; either way call `set_step(step)` at every step."""
+    from llmcompress.actcomp.counter import count_saved
+
+    if rank is not None:
+        with compress_activations(modules, rank, budget=budget, seed=seed) as ac:
+            yield ac
+        return
+    roots = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+    with count_saved(roots, _decoder_layers(roots)) as c:
+        yield _CountOnly(c)
+
+
+def summary(ac, steps: int, seconds: float, into: dict | None = None) -> dict:
+    """The run report's figures of one training loop: peak saved bytes by category, step time, rank.
+
+    With `into` (the figures of earlier loops of the same run), bytes keep the larger value and step
+    times are averaged over all steps.
+    """
+    s = ac.counter.summary() if ac.counter is not None else {}
+    s = {**s, "act_rank": ac.rank if ac.rank is None or isinstance(ac.rank, (int, str)) else float(ac.rank),
+         "steps": steps, "step_s": round(seconds / max(1, steps), 4)}
+    if getattr(ac, "auto_ranks", None):
+        s["auto_ranks"] = dict(ac.auto_ranks)
+    if into:
+        n = into.get("steps", 0) + steps
+        step_s = (into.get("step_s", 0.0) * into.get("steps", 0) + seconds) / max(1, n)
+        s = {**into, **{k: max(v, into.get(k, 0)) for k, v in s.items() if k.endswith("_bytes")}, "steps": n, "step_s": round(step_s, 4)}
+    return s

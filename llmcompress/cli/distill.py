@@ -9,6 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from llmcompress.actcomp.options import HELP_BUDGET as ACT_HELP_BUDGET
+from llmcompress.actcomp.options import HELP_RANK as ACT_HELP_RANK
 from llmcompress.cli._options import (
     AllowPickleOpt,
     DeviceOpt,
@@ -75,6 +77,8 @@ def distill_command(
     device: DeviceOpt = "auto",
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
+    act_rank: Annotated[Optional[str], typer.Option("--act-rank", help=ACT_HELP_RANK)] = None,
+    act_budget: Annotated[float, typer.Option("--act-budget", help=ACT_HELP_BUDGET)] = 0.25,
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for the saved checkpoint (default: the source model's dtype).")] = None,
     resume: ResumeOpt = False,
     allow_pickle: AllowPickleOpt = False,
@@ -86,6 +90,7 @@ def distill_command(
     Writes OUT/student (HF checkpoint + llmcompress.json with layer_map), OUT/train_log.jsonl,
     OUT/report.md and OUT/metrics.json. Under torchrun, segments are spread over ranks.
     """
+    from llmcompress.actcomp.options import parse_rank
     from llmcompress.distill import DistillConfig
     from llmcompress.errors import UserError
     from llmcompress.io.atomic import check_out_dir
@@ -101,7 +106,7 @@ def distill_command(
         batch_size=batch_size, lr=lr, hidden_loss=hidden_loss.value, kl_weight=kl_weight, ce_weight=ce_weight,
         phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, e2e_lr=e2e_lr, precision=precision.value, cache_dtype=cache_dtype.value,
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
-        save_dtype=save_dtype,
+        save_dtype=save_dtype, act_rank=parse_rank(act_rank), act_budget=act_budget,
     )
     cfg.validate()  # every number, before torch loads
     if os.environ.get("RANK", "0") == "0":  # fail fast, before torch loads (rank 0 only: it creates --out)

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any
 
+from llmcompress.actcomp import options as act_options
 from llmcompress.spec import (
     MAX_BATCH,
     MAX_COUNT,
@@ -89,6 +90,9 @@ class DistillConfig:
         eval_tokens: tokens of WikiText-2 raw test for the report's perplexities (0 skips).
         threads: torch intra-op threads (None: torch's default). On a shared CPU, 1 can be much faster.
         seed: everything random derives from it (per segment: seed + segment index).
+        act_rank / act_budget: activation compression of the trained linears' saved inputs (rank R random
+            sketches, or "auto": per-input ranks holding act_budget of the uncompressed bytes; see
+            llmcompress/actcomp); None = off. The saved-activation bytes are counted either way.
     """
 
     teacher: str = "smollm2-135m"
@@ -124,6 +128,8 @@ class DistillConfig:
     seed: int = 0
     threads: int | None = None
     save_dtype: str | None = None  # dtype of the saved student (None: the teacher's source dtype; io/dtypes.py)
+    act_rank: int | str | None = None
+    act_budget: float = 0.25
     version: int = 1
 
     def __post_init__(self) -> None:
@@ -136,6 +142,8 @@ class DistillConfig:
             from llmcompress.io.dtypes import torch_dtype
 
             torch_dtype(self.save_dtype)  # UserError on an unknown name
+        if isinstance(self.act_rank, str) and self.act_rank.strip().isdigit():
+            self.act_rank = int(self.act_rank)
 
     @property
     def learning_rate(self) -> float:
@@ -203,4 +211,6 @@ RANGES = {
     "eval_seq_len": Int("eval_seq_len", 2, MAX_SEQ),
     "seed": Int("--seed", 0, MAX_SEED),
     "threads": Int("--threads", 1, MAX_THREADS),
+    "act_rank": act_options.RANK,
+    "act_budget": act_options.BUDGET,
 }

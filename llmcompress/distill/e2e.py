@@ -75,11 +75,15 @@ def logit_steps(run: _Run, model, layers, *, steps: int, lr: float, order: list,
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-    start = restore(run, layers, opt, steps, name=name)
+    from llmcompress.actcomp.layer import summary, training
+
     every = max(1, steps // 4)
-    with bar(title, total=steps) as b:
+    t0 = time.perf_counter()
+    with bar(title, total=steps) as b, training(layers, cfg.act_rank, budget=cfg.act_budget, seed=cfg.seed + 11) as ac:
+        start = restore(run, layers, opt, steps, name=name, act=ac)
         b.advance(start)
         for step, batch in enumerate(prefetch(load, order[start:], depth=cfg.prefetch), start=start):
+            ac.set_step(step)
             for g in opt.param_groups:
                 g["lr"] = cur.lr_at(step, steps, lr)
             ids = batch["ids"].to(run.device)
@@ -93,23 +97,26 @@ def logit_steps(run: _Run, model, layers, *, steps: int, lr: float, order: list,
             b.advance(info=f"loss={loss.item():.4f}")
             del t_logits, s_logits, loss
             if (step + 1) % every == 0 and step + 1 < steps:
-                checkpoint(run, layers, opt, step + 1, steps, name=name)
+                checkpoint(run, layers, opt, step + 1, steps, name=name, act=ac)
+        run.state["activations"] = summary(ac, steps - start, time.perf_counter() - t0, run.state.get("activations"))
     for p in params:
         p.requires_grad_(False)
         p.grad = None
 
 
-def checkpoint(run: _Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.pt") -> None:
-    """Student layers + optimiser state after `step` steps, written atomically to work/`name` (for --resume)."""
+def checkpoint(run: _Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.pt", act=None) -> None:
+    """Student layers + optimiser state (+ the activation compressor's, `act`) after `step` steps, written
+    atomically to work/`name` (for --resume)."""
     import torch
 
     from llmcompress.io.atomic import atomic_path
 
+    extra = {"act": act.state_dict()} if act is not None and act.state_dict() else {}
     with atomic_path(run.work / name) as tmp:
-        torch.save({"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict()}, tmp)
+        torch.save({"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict(), **extra}, tmp)
 
 
-def restore(run: _Run, layers, opt, steps: int, name: str = "e2e-checkpoint.pt") -> int:
+def restore(run: _Run, layers, opt, steps: int, name: str = "e2e-checkpoint.pt", act=None) -> int:
     """Step to continue from (0 without a matching checkpoint in work/`name`)."""
     import torch
 
@@ -121,4 +128,6 @@ def restore(run: _Run, layers, opt, steps: int, name: str = "e2e-checkpoint.pt")
         return 0
     layers.load_state_dict(st["layers"])
     opt.load_state_dict(st["opt"])
+    if act is not None and "act" in st:
+        act.load_state_dict(st["act"])
     return int(st["step"])
