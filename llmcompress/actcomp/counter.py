@@ -5,12 +5,12 @@ counter records its storage there (a storage saved twice, or saved as several vi
 that is what the graph holds) and returns the tensor unchanged, so training is not altered. Storages of
 parameters are not counted (they exist anyway). Each saved storage is put in one category:
 
-* linear_input: saved inside an `nn.Linear` forward with the input's token count as leading size (its
+* linear_input: saved inside an `nn.Linear` forward of a decoder layer with the input's token count as leading size (its
   input, autocast's copy of it, or its sketch under compression);
-* weight_copy: anything else saved inside an `nn.Linear` forward with the weight's element count
+* weight_copy: anything else saved inside a decoder layer's `nn.Linear` forward with the weight's element count
   (autocast's bf16 copy of the weight, saved transposed);
 * decoder_other: saved inside a decoder layer, outside its linears (norms, attention, activations);
-* outside: everything else (embeddings, final norm, head, logits, softmax and loss).
+* outside: everything else (embeddings, final norm, head and its weight copy, logits, softmax and loss).
 
 `reset()` starts a new step; `peak` keeps each category's largest per-step value.
 """
@@ -81,7 +81,7 @@ class SavedBytes:
         key = (st.data_ptr(), t.device)
         if key[0] == 0 or key in self._seen or st.data_ptr() in self._params:
             return t
-        if self._linear:
+        if self._linear and self._decoder:
             mod, lead = self._linear[-1]
             input_like = t.dim() >= 2 and t.is_contiguous() and t.numel() // max(1, t.shape[-1]) == lead
             kind = "weight_copy" if not input_like and t.numel() == mod.weight.numel() else "linear_input"

@@ -127,6 +127,27 @@ class _HeldLinear(torch.autograd.Function):
         return dx, dw, db
 
 
+class _FrozenLinear(torch.autograd.Function):
+    """y = x Wᵀ + b with W frozen: only dX = δW is needed, so only W (already in memory) is saved - autocast's
+    F.linear would keep a bf16 copy of W (54 MiB for smollm2's 49k x 576 head)."""
+
+    @staticmethod
+    def forward(x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias = inputs
+        ctx.save_for_backward(weight)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (weight,) = ctx.saved_tensors
+        g = grad_out.reshape(-1, weight.shape[0])
+        return (g @ weight.to(g.dtype)).reshape(ctx.x_shape).to(ctx.x_dtype), None, None
+
+
 class ActCompressor:
     """The state of one `compress_activations` context (see the module docstring).
 
@@ -220,7 +241,11 @@ class ActCompressor:
     # ---- forward -------------------------------------------------------------------------------
 
     def linear(self, module: nn.Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not (torch.is_grad_enabled() and weight.requires_grad) or self.rank is None:
+        if not torch.is_grad_enabled() or self.rank is None:
+            return F.linear(x, weight, bias)
+        if not weight.requires_grad:
+            if x.requires_grad and not (bias is not None and bias.requires_grad):
+                return _FrozenLinear.apply(x, weight, bias)
             return F.linear(x, weight, bias)
         info = self.info[module]
         last = self._last
@@ -245,7 +270,7 @@ class ActCompressor:
             group = info.name
             self.groups.setdefault(group, [])
             self._last = (weakref.ref(x), x._version, xs, seed, group)
-            if self.counter is not None:
+            if self.counter is not None and self.counter._decoder:  # the counter's linear_input category
                 self.counter.uncompressed_linear_input += x.numel() * torch.empty((), dtype=dtype).element_size()
         return _SketchedLinear.apply(x, weight, bias, xs, seed, self, info.name, group)
 
