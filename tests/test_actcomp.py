@@ -337,3 +337,22 @@ def test_a_module_whose_forward_is_replaced_stays_compressible_through_linear():
     assert lin.forward is not None and "_actcomp" not in lin.__dict__  # the replaced forward is left alone
     exact = (delta.T @ x * lin.weight).sum()  # d/dscale of sum(y * delta) = <dW_eff, W>
     assert scale.grad is not None and abs(float(scale.grad) - float(exact)) < 3 * abs(float(exact))  # an estimate, finite
+
+
+def test_nas_search_with_act_rank(tiny_hf_dir, tmp_path):
+    """The supernet search runs with sketched linear inputs and keeps the projection state for --resume."""
+    import json
+    import subprocess
+    import sys
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text("seq_len: 32\nbatch_size: 2\ncontext_len: 32\ncheckpoint_every: 1\nrefine_evals: 0\nquant_method: rtn\n")
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "llmcompress", "nas", str(tiny_hf_dir), "--spec", str(spec), "--target-bits", "4",
+                        "--train-tokens", "128", "--eval-tokens", "0", "--baselines", "", "--act-rank", "auto", "--act-budget", "0.25",
+                        "--out", str(out)], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = [rec for line in (out / "search_log.jsonl").read_text().splitlines() if (rec := json.loads(line)).get("stage") == "joint"]
+    assert len(log) == 2 and all(math.isfinite(rec["kl"]) for rec in log)
+    st = torch.load(out / "search_state_joint.pt", weights_only=True)
+    assert st["act"]["step"] == 1 and st["act"]["auto_ranks"]  # ranks fixed after the first step, saved for --resume
