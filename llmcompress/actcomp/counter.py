@@ -116,9 +116,9 @@ def count_saved(modules, decoder_layers=(), params=None):
     c._params = {p.untyped_storage().data_ptr() for p in (params if params is not None else (q for m in modules for q in m.parameters()))}
     handles = []
 
-    def lin_pre(mod, args):
-        x = args[0]
-        c._linear.append((mod, x.numel() // max(1, x.shape[-1])))  # the input's token count
+    def lin_pre(mod, args, kwargs):
+        x = args[0] if args else kwargs.get("input")
+        c._linear.append((mod, x.numel() // max(1, x.shape[-1]) if x is not None and x.dim() else 0))  # the input's token count
 
     def lin_post(mod, args, out):
         if c._linear and c._linear[-1][0] is mod:
@@ -131,7 +131,7 @@ def count_saved(modules, decoder_layers=(), params=None):
         c._decoder = max(0, c._decoder - 1)
 
     for lin in _linears(modules):
-        handles += [lin.register_forward_pre_hook(lin_pre), lin.register_forward_hook(lin_post)]
+        handles += [lin.register_forward_pre_hook(lin_pre, with_kwargs=True), lin.register_forward_hook(lin_post)]
     for layer in decoder_layers:
         handles += [layer.register_forward_pre_hook(dec_pre), layer.register_forward_hook(dec_post)]
     try:
