@@ -157,7 +157,7 @@ def render(res: dict) -> str:
             if base and arm != "none":
                 b_dec = sum(base[f"saved_{k}_bytes"] for k in ("linear_input", "weight_copy", "decoder_other"))
                 rel = (f" ({base['saved_linear_input_bytes'] / max(1, r['saved_linear_input_bytes']):.1f}x smaller)",
-                       f" ({100 * (1 - dec / b_dec):.0f}% less)", f" ({100 * (1 - r['peak_rss_mib'] / base['peak_rss_mib']):.0f}% less)",
+                       f" ({100 * (1 - dec / b_dec):.0f}% less)", f" ({100 * (r['peak_rss_mib'] / base['peak_rss_mib'] - 1):+.0f}%)",
                        f" ({r['step_s_mean_after_first'] / base['step_s_mean_after_first']:.2f}x)")
             rl = rel or ("", "", "", "")
             lines.append(f"| {arm} | {r['saved_linear_input_bytes'] / MIB:,.0f}{rl[0]} | {dec / MIB:,.0f}{rl[1]} | {r['saved_total_bytes'] / MIB:,.0f} "
@@ -186,7 +186,7 @@ def render(res: dict) -> str:
                 rel = (f" ({r['wikitext2_ppl'] / base['wikitext2_ppl']:.3f}x)", f" ({r['tinyshakespeare_ppl'] / base['tinyshakespeare_ppl']:.3f}x)")
             rl = rel or ("", "")
             lines.append(f"| {k} | {r['wikitext2_ppl']:.2f}{rl[0]} | {r['tinyshakespeare_ppl']:.2f}{rl[1]} | {r['peak_rss_mib']:,.0f} | {r['train_wall_s']} |")
-        lines += ["", "Commands: " + "; ".join(f"`llmcompress {r['command']}`" for r in q.values())]
+        lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in q.values())]
     return "\n".join(lines) + "\n"
 
 
