@@ -70,6 +70,8 @@ BAD = {
         "--grad-rank-min": ["0", "-1", HUGE],
         "--grad-rank-max": ["0", "-1", HUGE],
         "--grad-warmup": ["1", "-1", HUGE],
+        "--act-rank": ["0", "-1", "banana", "2.5", HUGE],
+        "--act-budget": ["0", "-0.1", "1.5", "nan"],
     },
     "nas": {
         "--target-latency": ["0", "-1", HUGE_F],
@@ -80,12 +82,15 @@ BAD = {
         "--train-tokens": ["0", "-1", HUGE],
         "--eval-tokens": ["-1", HUGE],
         "--seed": ["-1", SEED_OVER],
+        "--act-rank": ["0", "-1", "banana", HUGE],
+        "--act-budget": ["0", "-1", "1.5", "nan"],
     },
     "zip": {"--threads": ["-1", HUGE], "--chunk-kb": ["0", "-1", HUGE]},
     "unzip": {"--threads": ["-1", HUGE]},
     "export": {"--bits": ["0", "-1", HUGE], "--group-size": ["-1", HUGE], "--seed": ["-1", SEED_OVER]},
 }
 
+STRING_NUMBERS = ("--save", "--bits", "--act-rank")  # numbers in a string option (--act-rank also takes auto)
 CASES = [(cmd, flag, v) for cmd, flags in BAD.items() for flag, values in flags.items() for v in values]
 EXCLUSIVE = {"--target-layers", "--ratio"}  # collapse: these replace --pareto
 
@@ -121,7 +126,7 @@ def test_every_numeric_option_of_every_command_is_in_the_table():
             types = set(typing.get_args(base)) or {base}  # Optional[int] -> {int, NoneType}
             # in Annotated form typer takes the first positional argument of typer.Option as the flag
             decls = [d for d in (getattr(opt, "default", None), *(getattr(opt, "param_decls", None) or ())) if isinstance(d, str) and d.startswith("--")]
-            if decls and (types & {int, float} or decls[0] in ("--save", "--bits")):  # the last two: numbers in a string
+            if decls and (types & {int, float} or decls[0] in STRING_NUMBERS):
                 flags.add(decls[0])
         seen[info.name] = flags
     assert set(BAD) <= set(seen)
@@ -137,7 +142,7 @@ def test_out_of_range_number_exits_2_naming_flag_value_and_range(cmd, flag, valu
     assert code == 2 and len(lines) == 1, err
     line = lines[0]
     assert line.startswith("error: ") and flag in line, line
-    if flag not in ("--save", "--bits"):
+    if flag not in STRING_NUMBERS:
         assert re.search(r"must be [<>]=? \S+( and [<>]=? \S+)? \(got ", line), line  # the valid range
         assert _same_number(re.search(r"\(got ([^)]+)\)", line).group(1), value), line  # the value
     assert not out.exists()

@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from llmcompress.actcomp.options import HELP_BUDGET as ACT_HELP_BUDGET
+from llmcompress.actcomp.options import HELP_RANK as ACT_HELP_RANK
 from llmcompress.cli._options import (
     AllowPickleOpt,
     DeviceOpt,
@@ -63,6 +65,8 @@ def distill_command(
     dtype: DtypeOpt = "auto",
     seed: Annotated[Optional[int], typer.Option("--seed", help=f"Random seed (default {D.seed}).")] = None,
     overwrite: OverwriteOpt = False,
+    act_rank: Annotated[Optional[str], typer.Option("--act-rank", help=ACT_HELP_RANK)] = None,
+    act_budget: Annotated[Optional[float], typer.Option("--act-budget", help=ACT_HELP_BUDGET)] = None,
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for the saved checkpoint (default: the source model's dtype).")] = None,
     resume: ResumeOpt = False,
     allow_pickle: AllowPickleOpt = False,
@@ -80,6 +84,7 @@ def distill_command(
     OUT/report.md, OUT/report.json and OUT/metrics.json. Under torchrun, segments are spread over ranks, and
     --mode e2e and the --e2e-steps phase train data-parallel (DDP; --grad-compress picks the gradient exchange).
     """
+    from llmcompress.actcomp.options import parse_rank
     from llmcompress.distill.config import DistillConfig, config_from_dict, load_spec
     from llmcompress.errors import UserError
     from llmcompress.io.atomic import check_out_dir
@@ -103,6 +108,7 @@ def distill_command(
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
         save_dtype=save_dtype, grad_compress=grad_compress, grad_rank=grad_rank, grad_rank_min=grad_rank_min,
         grad_rank_max=grad_rank_max, grad_warmup=grad_warmup,
+        act_rank=parse_rank(act_rank), act_budget=act_budget,
     )
     cfg = config_from_dict(overrides, base=load_spec(spec) if spec is not None else DistillConfig())
     cfg.validate()  # every number, before torch loads

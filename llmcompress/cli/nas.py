@@ -7,6 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from llmcompress.actcomp.options import HELP_BUDGET as ACT_HELP_BUDGET
+from llmcompress.actcomp.options import HELP_RANK as ACT_HELP_RANK
 from llmcompress.cli._options import (
     AllowPickleOpt,
     DeviceOpt,
@@ -46,6 +48,8 @@ def nas_command(
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed.")] = None,
     spec: SpecOpt = None,
     export: Annotated[Optional[str], typer.Option("--export", help="Deployable formats next to hf/: gguf, compressed-tensors (comma-separated).")] = None,
+    act_rank: Annotated[Optional[str], typer.Option("--act-rank", help=ACT_HELP_RANK)] = None,
+    act_budget: Annotated[Optional[float], typer.Option("--act-budget", help=ACT_HELP_BUDGET)] = None,
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for saved float tensors (default: the source model's dtype).")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -56,6 +60,7 @@ def nas_command(
     push_to_hub: PushOpt = None,
 ) -> None:
     """Search layer skips, MLP widths and per-layer bit widths under a latency/size/bits target; save hf/ (dequantized) and --export gguf/compressed-tensors."""
+    from llmcompress.actcomp.options import parse_rank
     from llmcompress.errors import UserError
     from llmcompress.nas.config import NasConfig, config_from_dict, load_spec
     from llmcompress.runtime import resolve_compute
@@ -74,7 +79,7 @@ def nas_command(
         bits=_int_list(bits, "--bits") if bits is not None else None,
         baselines=[b.strip() for b in baselines.split(",") if b.strip()] if baselines is not None else None,
         export=[f.strip() for f in export.split(",") if f.strip()] if export is not None else None,
-        save_dtype=save_dtype,
+        save_dtype=save_dtype, act_rank=parse_rank(act_rank), act_budget=act_budget,
     )
     cfg = config_from_dict(overrides, base=cfg)
     cfg.validate()

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcompress import spec
+from llmcompress.actcomp import options as act_options
 from llmcompress.io.load import DEFAULT_MODEL
 from llmcompress.spec import (
     MAX_BATCH,
@@ -105,6 +106,9 @@ class DistillConfig:
         grad_compress: gradient exchange of data-parallel e2e training under torchrun: none | zip | powersgd | edgc.
         grad_rank: PowerSGD's fixed rank (powersgd); grad_rank_min / grad_rank_max: EDGC's rank range (it starts at
             the maximum); grad_warmup: dense all-reduce steps before either compresses (>= 2).
+        act_rank / act_budget: activation compression of the trained linears' saved inputs (rank R random
+            sketches, or "auto": per-input ranks holding act_budget of the uncompressed bytes; see
+            llmcompress/actcomp); None = off. The saved-activation bytes are counted either way.
     """
 
     teacher: str = DEFAULT_MODEL
@@ -145,6 +149,8 @@ class DistillConfig:
     grad_rank_min: int = 2
     grad_rank_max: int = 32
     grad_warmup: int = 10
+    act_rank: int | str | None = None
+    act_budget: float = 0.25
     version: int = 1
 
     def __post_init__(self) -> None:
@@ -158,6 +164,8 @@ class DistillConfig:
             from llmcompress.io.dtypes import torch_dtype
 
             torch_dtype(self.save_dtype)  # UserError on an unknown name
+        if isinstance(self.act_rank, str) and self.act_rank.strip().isdigit():
+            self.act_rank = int(self.act_rank)
 
     @property
     def learning_rate(self) -> float:
@@ -231,6 +239,8 @@ RANGES = {
     "grad_rank_min": Int("--grad-rank-min", 1, 1024, note="EDGC's lowest rank, e.g. --grad-rank-min 2"),
     "grad_rank_max": Int("--grad-rank-max", 1, 1024, note="EDGC's highest (starting) rank, e.g. --grad-rank-max 32"),
     "grad_warmup": Int("--grad-warmup", 2, MAX_COUNT, note="dense steps before PowerSGD/EDGC compress (DDP rebuilds buckets at step 1)"),
+    "act_rank": act_options.RANK,
+    "act_budget": act_options.BUDGET,
 }
 
 

@@ -81,16 +81,20 @@ def logit_steps(run: Run, model, layers, *, steps: int, lr: float, order: list, 
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    from llmcompress.actcomp.layer import summary, training
+
     comp = _grad_compression(run, model)
-    start = restore(run, layers, opt, steps, name=name, comp=comp)
-    ddp = _wrap(run, model, comp)
-    fwd = ddp if ddp is not None else model
     every = max(1, steps // 4)
-    with bar(title, total=steps) as b:
+    t0 = time.perf_counter()
+    with bar(title, total=steps) as b, training(layers, cfg.act_rank, budget=cfg.act_budget, seed=cfg.seed + 11) as ac:
+        start = restore(run, layers, opt, steps, name=name, comp=comp, act=ac)
+        ddp = _wrap(run, model, comp)
+        fwd = ddp if ddp is not None else model
         b.advance(start)
         for step, batch in enumerate(prefetch(load, order[start:], depth=cfg.prefetch), start=start):
-            t0 = time.perf_counter()
+            t_step = time.perf_counter()
             batch = shard(batch, run.dist.rank, run.dist.world_size)
+            ac.set_step(step)
             for g in opt.param_groups:
                 g["lr"] = cur.lr_at(step, steps, lr)
             ids = batch["ids"].to(run.device)
@@ -102,12 +106,13 @@ def logit_steps(run: Run, model, layers, *, steps: int, lr: float, order: list, 
             losses.optimizer_step(opt, params, loss)
             rec = {"phase": "e2e", "step": step, "loss": loss.item(), **parts}
             if comp is not None:
-                rec = {**rec, **_mean_over_ranks(rec, parts), **comp.end_step(), "step_s": round(time.perf_counter() - t0, 4)}
+                rec = {**rec, **_mean_over_ranks(rec, parts), **comp.end_step(), "step_s": round(time.perf_counter() - t_step, 4)}
             run.log(rec)
             b.advance(info=f"loss={rec['loss']:.4f}")
             del t_logits, s_logits, loss
             if (step + 1) % every == 0 and step + 1 < steps:
-                checkpoint(run, layers, opt, step + 1, steps, name=name, comp=comp)
+                checkpoint(run, layers, opt, step + 1, steps, name=name, comp=comp, act=ac)
+        run.state["activations"] = summary(ac, steps - start, time.perf_counter() - t0, run.state.get("activations"))
     if ddp is not None:
         del ddp  # its hooks on the parameters go with it
     if comp is not None:
@@ -167,8 +172,8 @@ def _comm_path(run: Run, name: str, step: int):
     return run.work / f"{name}.comm-rank{run.dist.rank}-step{step}.pt"
 
 
-def checkpoint(run: Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.json", comp=None) -> None:
-    """Student layers + optimiser state after `step` steps, written to work/`name` (+ .safetensors; for --resume).
+def checkpoint(run: Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.json", comp=None, act=None) -> None:
+    """Student layers + optimiser state (+ the activation compressor's, `act`) after `step` steps, written to work/`name` (+ .safetensors; for --resume).
 
     Data-parallel: every rank first writes its gradient-compression state (its own error feedback, the rank
     schedule, byte totals) to work/`name`.comm-rank{r}-step{step}.pt, then rank 0 writes the weights.
@@ -183,7 +188,8 @@ def checkpoint(run: Run, layers, opt, step: int, steps: int, name: str = "e2e-ch
             torch.save({"step": step, "comm": comp.state_dict()}, tmp)
         run.dist.barrier()
     if run.dist.is_main:
-        save_state(run.work / name, {"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict()})
+        extra = {"act": act.state_dict()} if act is not None and act.state_dict() else {}
+        save_state(run.work / name, {"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict(), **extra})
     if comp is not None:
         run.dist.barrier()
         for old in run.work.glob(f"{name}.comm-rank{run.dist.rank}-step*.pt"):
@@ -191,7 +197,7 @@ def checkpoint(run: Run, layers, opt, step: int, steps: int, name: str = "e2e-ch
                 old.unlink(missing_ok=True)
 
 
-def restore(run: Run, layers, opt, steps: int, name: str = "e2e-checkpoint.json", comp=None) -> int:
+def restore(run: Run, layers, opt, steps: int, name: str = "e2e-checkpoint.json", comp=None, act=None) -> int:
     """Step to continue from (0 without a matching checkpoint in work/`name`)."""
     from llmcompress.io.rundir import load_state
 
@@ -207,4 +213,6 @@ def restore(run: Run, layers, opt, steps: int, name: str = "e2e-checkpoint.json"
         comp.load_state_dict(torch.load(cpath, weights_only=True)["comm"])
     layers.load_state_dict(st["layers"])
     opt.load_state_dict(st["opt"])
+    if act is not None and "act" in st:
+        act.load_state_dict(st["act"])
     return int(st["step"])

@@ -146,9 +146,14 @@ def _train_segment(run: Run, seg: Segment, *, phase: int, steps: int, shards: li
     opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     order = cur.epoch_order(len(shards), steps, seed=cfg.seed * 1000 + 10 * seg.index + phase)
     history = []
-    with bar(f"phase {phase} segment {seg.index}", total=steps) as b:
+    from llmcompress.actcomp.layer import summary, training
+
+    t0 = time.perf_counter()
+    with bar(f"phase {phase} segment {seg.index}", total=steps) as b, \
+            training(run.layers(seg), cfg.act_rank, budget=cfg.act_budget, seed=cfg.seed * 1000 + 10 * seg.index + phase) as ac:
         batches = prefetch(_loader(run, seg, phase), [shards[j] for j in order], depth=cfg.prefetch)
         for step, (x_t, x_s, y, ids) in enumerate(batches):
+            ac.set_step(step)
             alpha = cur.mix_weight(step, steps, cfg.mix_start, cfg.mix_end) if x_s is not None else 0.0
             x = cur.mix_inputs(_to(x_t, run), _to(x_s, run), alpha) if x_s is not None else _to(x_t, run)
             for g in opt.param_groups:
@@ -158,6 +163,7 @@ def _train_segment(run: Run, seg: Segment, *, phase: int, steps: int, shards: li
             history.append(loss.item())
             run.log({"phase": phase, "segment": seg.index, "step": step, "loss": loss.item(), **parts, "mix": round(alpha, 4)})
             b.advance(info=f"loss={loss.item():.4f}")
+        run.state["activations"] = summary(ac, steps, time.perf_counter() - t0, run.state.get("activations"))
     for p in params:
         p.requires_grad_(False)
         p.grad = None
@@ -411,6 +417,8 @@ def distill(
 
             plot_traces(run.comm.psgd.rank_trace, run.comm.psgd.entropy_trace, out / "grad-compress.png",
                         title=f"EDGC: PowerSGD rank and gradient entropy ({dist.world_size} ranks)")
+    if "activations" in run.state:  # saved-for-backward bytes and step time of the training loops (actcomp)
+        metrics["activations"] = run.state.pop("activations")
     if not dist.is_main:
         return DistillResult(out, None, layer_map, segments, metrics)
     metrics["student_parameters"] = _n_params(student)

@@ -40,9 +40,24 @@ def render(cfg, metrics: dict[str, Any]) -> str:
     for key, label in (("cache_s", "feature caching (s)"), ("phase1_s", "phase 1 (s)"), ("phase2_s", "phase 2 (s)"), ("e2e_s", "end-to-end steps (s)")):
         if key in metrics:
             rows.append((label, metrics[key]))
+    act = metrics.get("activations")
+    if act:
+        mib = 1 << 20
+        rank = act.get("act_rank")
+        rows += [
+            ("activation compression (--act-rank)", "off" if rank is None else (f"auto, budget {cfg.act_budget}" if rank == "auto" else rank)),
+            ("saved-for-backward bytes per step, peak (MiB)", act.get("saved_total_bytes", 0) / mib),
+            ("  of which linear inputs (MiB; uncompressed)", f"{act.get('saved_linear_input_bytes', 0) / mib:,.2f} "
+             f"({act.get('saved_linear_input_uncompressed_bytes', 0) / mib:,.2f})"),
+            ("  of which inside decoder layers (MiB)", sum(act.get(f"saved_{k}_bytes", 0) for k in ("linear_input", "weight_copy", "decoder_other")) / mib),
+            ("training step time (s, mean)", act.get("step_s")),
+        ]
     lines = ["# llmcompress distill report", "", *markdown_table(["", ""], [(k, _fmt(v)) for k, v in rows])]
     ppl = f"WikiText-2 raw test, first {cfg.eval_tokens} tokens, seq-len {cfg.eval_seq_len}"
     lines += ["", f"Perplexity: {ppl}. Peak memory: ru_maxrss of this process (includes loading the teacher)."]
+    if act:
+        lines += ["Saved-for-backward bytes: counted exactly in autograd's pack path (llmcompress/actcomp/counter.py), the "
+                  "largest step of the training loops; without --act-rank the same count, for comparison."]
     if "order" in metrics:
         rank = {k: i for i, k in enumerate(metrics["order"])}
         lines += ["", "## Segments", "", *markdown_table(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcompress import spec
+from llmcompress.actcomp import options as act_options
 from llmcompress.errors import UserError
 from llmcompress.io.load import DEFAULT_MODEL
 from llmcompress.spec import MAX_BATCH, MAX_COUNT, MAX_SEED, MAX_SEQ, MAX_TOKENS, Int, Real
@@ -77,6 +78,8 @@ class NasConfig:
             no kernel for 2/3-bit on 576-wide rows) and a group size divisible by 32; with gguf, 8-bit
             layers are quantized symmetric (Q8_0).
         save_dtype: dtype of the saved float tensors (None: the source model's; io/dtypes.py).
+        act_rank / act_budget: activation compression of the supernet's linears during the search (rank R
+            random sketches of their saved inputs, or "auto" with act_budget of the bytes; llmcompress/actcomp).
     """
 
     model: str = DEFAULT_MODEL
@@ -115,6 +118,8 @@ class NasConfig:
     measure_speed: bool = True
     export: list[str] = field(default_factory=list)
     save_dtype: str | None = None
+    act_rank: int | str | None = None
+    act_budget: float = 0.25
     seed: int = 0
     version: int = 4
 
@@ -204,6 +209,8 @@ RANGES = {
     "eval_tokens": Int("--eval-tokens", 0, MAX_TOKENS, note="0 skips the report's perplexity"),
     "eval_seq_len": Int("eval_seq_len", 2, MAX_SEQ),
     "seed": Int("--seed", 0, MAX_SEED),
+    "act_rank": act_options.RANK,
+    "act_budget": act_options.BUDGET,
 }
 
 

@@ -87,10 +87,15 @@ def run_stage(
     for p in model.parameters():
         p.requires_grad_(False)
     net.install()
+    from llmcompress.actcomp.layer import training
+
     try:
-        with bar(f"search ({stage})", total=steps) as b:
+        with bar(f"search ({stage})", total=steps) as b, training(model, cfg.act_rank, budget=cfg.act_budget, seed=cfg.seed + 31) as ac:
+            if start and "act" in st:
+                ac.load_state_dict(st["act"])
             b.update(completed=start)
             for step in range(start, steps):
+                ac.set_step(step)
                 tau = tau_at(cfg, step, steps)
                 batch = blocks[order[step * cfg.batch_size : (step + 1) * cfg.batch_size]]
                 with torch.no_grad():
@@ -111,7 +116,7 @@ def run_stage(
                 b.advance(info=f"kl={rec['kl']:.3f} lat={rec['exp_latency']:.2f} bits={rec['exp_bits']:.2f}")
                 if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
                     _save_state(state_path, {"net": net.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                                             "step": step + 1, "fingerprint": cfg.fingerprint()})
+                                             "step": step + 1, "fingerprint": cfg.fingerprint(), "act": ac.state_dict()})
     finally:
         net.remove()
     return net.logits()

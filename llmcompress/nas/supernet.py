@@ -115,12 +115,15 @@ class Supernet(nn.Module):
         self._handles = []
 
     def _linear_forward(self, lin: nn.Linear, i: int, j: int):
+        # F.linear, or the compressed linear inside compress_activations (--act-rank)
+        from llmcompress.actcomp import linear
+
         def forward(x):
             if not self.active:
                 return F.linear(x, lin.weight, lin.bias)
             g = self._sample["bits"][i, j]  # (nb,)
             W = torch.einsum("b,boi->oi", g, self._qweights[(i, j)])
-            return F.linear(x, W, lin.bias)
+            return linear(lin, x, W, lin.bias)
 
         return forward
 

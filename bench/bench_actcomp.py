@@ -1,0 +1,230 @@
+"""Activation compression benchmark (issue 21): memory and step time of smollm2-135m training, healing quality.
+
+(a) memory: end-to-end training of smollm2-135m (decoder layers trained with AdamW, embeddings/head frozen as
+    in `distill --mode e2e`; next-token cross-entropy on WikiText-2 valid; bf16 autocast, fp32 weights) for
+    --steps steps at --batch x --seq, one fresh subprocess per arm (so peak RSS is the arm's own): no
+    compression, r = d/4, d/8, d/16 (a fraction of each linear input's width) and auto (--act-budget).
+    Reports saved-for-backward bytes by category (exact, from the pack path), peak RSS, step time, and
+    where the peak goes (weights, gradients, AdamW state, decoder-layer saves, logits/softmax/loss saves).
+(b) quality: `llmcompress distill smollm2-135m --keep-layers 22 --select bi --mode e2e --ce-weight 1
+    --precision bf16 --lr 5e-4` with and without --act-rank, then WikiText-2 test and tinyshakespeare
+    (held-out last 10%) perplexity of each student.
+
+    LLMCOMPRESS_DATA_DIR=../shared/data python bench/bench_actcomp.py --memory --batch 4 --seq 512
+    LLMCOMPRESS_DATA_DIR=../shared/data python bench/bench_actcomp.py --quality --train-tokens 16384
+
+Writes bench/RESULTS-actcomp.md and bench/RESULTS-actcomp.json (merged with earlier parts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ARMS = {"none": None, "d/4": 0.25, "d/8": 0.125, "d/16": 0.0625, "auto": "auto"}
+MIB = 1 << 20
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
+
+
+def run_arm(arm: str, batch: int, seq: int, steps: int, budget: float, threads: int) -> dict:
+    """One arm in this (fresh) process: returns its figures."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from llmcompress.actcomp.layer import training
+    from llmcompress.data.blocks import calibration_blocks
+    from llmcompress.io.adapters import get_adapter
+    from llmcompress.io.load import load_model
+
+    rss_start = current_rss_mib()
+    lm = load_model("smollm2-135m", dtype=torch.float32)
+    model = lm.model
+    blocks, _ = calibration_blocks(lm.tokenizer, "wikitext2", split="valid", seq_len=seq, n_blocks=batch * steps, seed=0)
+    rss_loaded = current_rss_mib()
+    model.requires_grad_(False)
+    layers = get_adapter(model).decoder_layers(model)
+    params = [p for p in layers.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=5e-4)
+    model.train()
+    times, losses = [], []
+    with training(model, ARMS[arm], budget=budget, seed=0) as ac:
+        for step in range(steps):
+            ac.set_step(step)
+            ids = blocks[step * batch : (step + 1) * batch]
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+            del loss
+        saved = ac.counter.summary()
+        auto = getattr(ac, "auto_ranks", None)
+    n_all = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_train = sum(p.numel() * p.element_size() for p in params)
+    return {
+        "arm": arm, "batch": batch, "seq": seq, "steps": steps, "threads": threads, "losses": losses,
+        "step_s": times, "step_s_mean_after_first": sum(times[1:]) / max(1, len(times) - 1),
+        "peak_rss_mib": rss_mib(), "rss_start_mib": rss_start, "rss_loaded_mib": rss_loaded,
+        "weights_bytes": n_all, "grad_bytes": n_train, "adamw_state_bytes": 2 * n_train, **saved,
+        "auto_ranks": auto, "vocab": model.config.vocab_size,
+    }
+
+
+def memory(args) -> dict:
+    out = {}
+    for arm in args.arms.split(","):
+        cmd = [sys.executable, __file__, "--arm", arm, "--batch", str(args.batch), "--seq", str(args.seq),
+               "--steps", str(args.steps), "--budget", str(args.budget), "--threads", str(args.threads)]
+        print("running", " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, LLMCOMPRESS_PROGRESS="0"))
+        if proc.returncode != 0:
+            raise SystemExit(f"arm {arm} failed:\n{proc.stderr[-3000:]}")
+        out[arm] = json.loads(proc.stdout.strip().splitlines()[-1])
+        r = out[arm]
+        print(f"  {arm}: peak RSS {r['peak_rss_mib']:.0f} MiB, saved {r['saved_total_bytes'] / MIB:.0f} MiB "
+              f"(linear inputs {r['saved_linear_input_bytes'] / MIB:.0f}), step {r['step_s_mean_after_first']:.1f}s", flush=True)
+    return out
+
+
+def quality(args) -> dict:
+    """Healing runs through the CLI, then tinyshakespeare perplexity of each student."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from llmcompress.eval.perplexity import perplexity
+    from llmcompress.io.load import load_model
+
+    res = {}
+    work = Path(args.work)
+    for arm, flags in (("none", []), (args.quality_arm, ["--act-rank", *args.quality_arm.split()])):
+        key = "none" if not flags else " ".join(flags)
+        out = work / ("heal-" + ("none" if not flags else args.quality_arm.replace(" ", "_").replace("-", "")))
+        cmd = [sys.executable, "-m", "llmcompress", "distill", "smollm2-135m", "--keep-layers", "22", "--select", "bi",
+               "--mode", "e2e", "--ce-weight", "1", "--precision", "bf16", "--lr", "5e-4", "--train-tokens", str(args.train_tokens),
+               "--batch-size", str(args.heal_batch), "--seq-len", str(args.heal_seq), "--eval-tokens", str(args.eval_tokens),
+               "--threads", str(args.threads), "--out", str(out), "--overwrite", *flags]
+        if arm != "none":
+            cmd += ["--act-budget", str(args.budget)]
+        print("running", " ".join(cmd), flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, LLMCOMPRESS_PROGRESS="0"))
+        if proc.returncode != 0:
+            raise SystemExit(f"healing {key} failed:\n{proc.stderr[-3000:]}")
+        m = json.loads((out / "metrics.json").read_text())
+        lm = load_model(str(out / "student"), dtype=torch.float32)
+        shakes = perplexity(lm.model, lm.tokenizer, "tinyshakespeare", seq_len=512, max_tokens=args.eval_tokens)["ppl"]
+        res[key] = {"command": " ".join(cmd[2:]), "wall_s": round(time.perf_counter() - t0, 1), "wikitext2_ppl": m.get("student_ppl"),
+                    "wikitext2_ppl_before": m.get("student_ppl_before"), "tinyshakespeare_ppl": shakes,
+                    "peak_rss_mib": m.get("peak_rss_mb"), "train_wall_s": m.get("train_wall_s"), "activations": m.get("activations")}
+        print(f"  {key}: wikitext2 {m.get('student_ppl'):.2f}, tinyshakespeare {shakes:.2f}, peak RSS {m.get('peak_rss_mb'):.0f} MiB", flush=True)
+    return res
+
+
+def render(res: dict) -> str:
+    lines = ["# Activation compression (issue 21)", ""]
+    mem = res.get("memory")
+    if mem:
+        base = mem.get("none")
+        a = next(iter(mem.values()))
+        lines += [f"## Memory: smollm2-135m training, batch {a['batch']} x {a['seq']}, {a['steps']} steps, bf16 autocast, "
+                  f"{a['threads']} thread(s), fresh process per arm", "",
+                  "| arm | saved linear inputs (MiB) | saved in decoder layers (MiB) | saved total (MiB) | peak RSS (MiB) | step (s) | loss (step 1) |",
+                  "|---|---|---|---|---|---|---|"]
+        for arm, r in mem.items():
+            dec = sum(r[f"saved_{k}_bytes"] for k in ("linear_input", "weight_copy", "decoder_other"))
+            rel = ""
+            if base and arm != "none":
+                b_dec = sum(base[f"saved_{k}_bytes"] for k in ("linear_input", "weight_copy", "decoder_other"))
+                rel = (f" ({base['saved_linear_input_bytes'] / max(1, r['saved_linear_input_bytes']):.1f}x smaller)",
+                       f" ({100 * (1 - dec / b_dec):.0f}% less)", f" ({100 * (r['peak_rss_mib'] / base['peak_rss_mib'] - 1):+.0f}%)",
+                       f" ({r['step_s_mean_after_first'] / base['step_s_mean_after_first']:.2f}x)")
+            rl = rel or ("", "", "", "")
+            lines.append(f"| {arm} | {r['saved_linear_input_bytes'] / MIB:,.0f}{rl[0]} | {dec / MIB:,.0f}{rl[1]} | {r['saved_total_bytes'] / MIB:,.0f} "
+                         f"| {r['peak_rss_mib']:,.0f}{rl[2]} | {r['step_s_mean_after_first']:.1f}{rl[3]} | {r['losses'][0]:.4f} |")
+        if base:
+            lines += ["", "Where the peak goes (no compression; MiB):", "",
+                      "| part | MiB |", "|---|---|",
+                      f"| process before loading (python, torch) | {base['rss_start_mib']:,.0f} |",
+                      f"| model loaded + data (RSS after load) | {base['rss_loaded_mib'] - base['rss_start_mib']:,.0f} (weights {base['weights_bytes'] / MIB:,.0f}) |",
+                      f"| gradients (decoder layers, fp32) | {base['grad_bytes'] / MIB:,.0f} |",
+                      f"| AdamW state (2 x fp32) | {base['adamw_state_bytes'] / MIB:,.0f} |",
+                      f"| saved in decoder layers: linear inputs | {base['saved_linear_input_bytes'] / MIB:,.0f} |",
+                      f"| saved in decoder layers: bf16 weight copies (autocast) | {base['saved_weight_copy_bytes'] / MIB:,.0f} |",
+                      f"| saved in decoder layers: norms, attention, SiLU, products | {base['saved_decoder_other_bytes'] / MIB:,.0f} |",
+                      f"| saved outside: embeddings, final norm, logits/log-softmax/loss | {base['saved_outside_bytes'] / MIB:,.0f} |"]
+            rest = base["peak_rss_mib"] - base["rss_loaded_mib"] - (base["grad_bytes"] + base["adamw_state_bytes"] + base["saved_total_bytes"]) / MIB
+            lines.append(f"| rest (transients of backward: logits' fp32 copy and gradient, activation gradients; allocator) | {rest:,.0f} |")
+    q = res.get("quality")
+    if q:
+        lines += ["", "## Quality: healing the 22-layer Block-Influence student", "",
+                  "| arm | WikiText-2 ppl | tinyshakespeare ppl | peak RSS (MiB) | training wall (s) |", "|---|---|---|---|---|"]
+        base = q.get("none")
+        for k, r in q.items():
+            rel = ""
+            if base and k != "none":
+                rel = (f" ({r['wikitext2_ppl'] / base['wikitext2_ppl']:.3f}x)", f" ({r['tinyshakespeare_ppl'] / base['tinyshakespeare_ppl']:.3f}x)")
+            rl = rel or ("", "")
+            lines.append(f"| {k} | {r['wikitext2_ppl']:.2f}{rl[0]} | {r['tinyshakespeare_ppl']:.2f}{rl[1]} | {r['peak_rss_mib']:,.0f} | {r['train_wall_s']} |")
+        lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in q.values())]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--memory", action="store_true")
+    ap.add_argument("--quality", action="store_true")
+    ap.add_argument("--arm", help="internal: run one memory arm in this process and print its JSON")
+    ap.add_argument("--arms", default="none,d/4,d/8,d/16,auto")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=0.25)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--train-tokens", type=int, default=16384)
+    ap.add_argument("--heal-batch", type=int, default=2)
+    ap.add_argument("--heal-seq", type=int, default=256)
+    ap.add_argument("--eval-tokens", type=int, default=8192)
+    ap.add_argument("--quality-arm", default="auto", help="--act-rank value of the compressed healing run")
+    ap.add_argument("--work", default="/tmp/bench-actcomp")
+    ap.add_argument("--out", default=str(HERE / "RESULTS-actcomp"))
+    args = ap.parse_args()
+    if args.arm:
+        print(json.dumps(run_arm(args.arm, args.batch, args.seq, args.steps, args.budget, args.threads)))
+        return
+    path = Path(args.out + ".json")
+    res = json.loads(path.read_text()) if path.is_file() else {}
+    if args.memory:
+        res["memory"] = memory(args)
+    if args.quality:
+        res["quality"] = quality(args)
+    res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    from llmcompress.io.atomic import write_json, write_text
+
+    write_json(path, res)
+    write_text(Path(args.out + ".md"), render(res))
+    print(render(res))
+
+
+if __name__ == "__main__":
+    main()
