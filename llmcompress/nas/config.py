@@ -26,7 +26,7 @@ class NasConfig:
     Attributes:
         model: model spec (alias, HF directory, .gguf, hub id).
         mode: joint (architecture and bits searched together), sequential (architecture searched in full
-            precision, then bits under the same budget), uniform (dense architecture, uniform RTN).
+            precision, then bits under the same budget), uniform (dense architecture, one bit width, the same quantizer).
         baselines: extra modes run in the same command for the report (their arch.json only).
         target_latency: modeled latency relative to the dense model (e.g. 0.6).
         target_size_mb: size of the packed weights in MB (10**6 bytes), embeddings included.

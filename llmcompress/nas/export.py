@@ -6,8 +6,7 @@
 * apply_bank: the pipeline's path: copies the search's own quantized weights (nas/qbank.py, sliced to the
   MLP widths) into the derived model, so the export is exactly the model the search and its validated step
   scored; every other tensor stays as it was.
-* quantize_derived: RTN- or GPTQ-quantizes a derived model from scratch (used by `llmcompress export --plan`
-  style callers and tests) and rounds every other floating tensor to float16.
+* quantize_derived: RTN- or GPTQ-quantizes a derived model from scratch (callers without a bank; tests) and rounds every other floating tensor to float16.
 * save_hf: a *dequantized* checkpoint for evaluation, which plain transformers loads (in the source dtype).
   A LlamaConfig has one intermediate_size, so pruned MLP channels are zero-padded back to it: a zero row
   of gate/up and a zero column of down contribute exactly nothing, so outputs equal the sliced model's.
