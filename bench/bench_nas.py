@@ -169,7 +169,35 @@ def ood_metrics(model, teacher, blocks, batch=4):
     return math.exp(nll / (n - blocks.shape[0])), kl / n
 
 
+def summarize(results: list[dict]) -> str:
+    """Markdown table of a results file: one row per (target, method), mean over seeds (and the seed count)."""
+    from statistics import mean
+
+    keys = ["avg_bits", "heldout_kl", "wikitext2_ppl", "shakespeare_ppl", "shakespeare_kl", "piqa_acc", "piqa_stderr"]
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["target_bits"], r["method"]), []).append(r)
+    lines = ["| target bits | method | seeds | avg bits | held-out KL | WikiText-2 ppl | ppl / uniform | tinyshakespeare ppl | "
+             "tinyshakespeare KL | KL / uniform | PIQA acc ± stderr | bits used (count of linears) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (t, m), rs in groups.items():
+        v = {k: mean(r[k] for r in rs) if all(r.get(k) is not None for r in rs) else None for k in keys}
+        u = groups.get((t, "uniform"))
+        up = mean(r["wikitext2_ppl"] for r in u) if u else None
+        uk = mean(r["shakespeare_kl"] for r in u) if u else None
+        hist = rs[0]["bits_histogram"]
+        lines.append(
+            f"| {t} | {m} | {len(rs)} | {v['avg_bits']:.3f} | {v['heldout_kl']:.4f} | {v['wikitext2_ppl']:.2f} | "
+            f"{v['wikitext2_ppl'] / up:.3f} | {v['shakespeare_ppl']:.2f} | {v['shakespeare_kl']:.4f} | {v['shakespeare_kl'] / uk:.3f} | "
+            + (f"{v['piqa_acc']:.3f} ± {v['piqa_stderr']:.3f}" if v["piqa_acc"] is not None else "—")
+            + " | " + ", ".join(f"{b}b:{n}" for b, n in sorted(hist.items(), key=lambda x: int(x[0]))) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if "--summarize" in sys.argv:
+        print(summarize(json.loads(Path(sys.argv[sys.argv.index("--summarize") + 1]).read_text())))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--targets", default="3.0,2.5")
     ap.add_argument("--seeds", default="0")
@@ -178,6 +206,9 @@ def main() -> None:
     ap.add_argument("--refine-blocks", type=int, default=8)
     ap.add_argument("--refine-evals", type=int, default=16)
     ap.add_argument("--measure-blocks", type=int, default=2)
+    ap.add_argument("--table-tokens", type=int, default=128, help="tokens of each measurement block used by the per-linear table")
+    ap.add_argument("--search-steps", type=int, default=None, help="gradient steps of joint (default: one per batch of --train-tokens)")
+    ap.add_argument("--methods", default="", help="comma-separated name prefixes to run (default: all); e.g. to split the run over processes")
     ap.add_argument("--lam", type=int, default=4)
     ap.add_argument("--eval-tokens", type=int, default=32768)
     ap.add_argument("--ood-tokens", type=int, default=8192)
@@ -202,6 +233,11 @@ def main() -> None:
     from llmcompress.nas.supernet import Supernet
 
     a.work.mkdir(parents=True, exist_ok=True)
+    want = [m.strip() for m in a.methods.split(",") if m.strip()]
+
+    def wanted(name):
+        return not want or any(name.startswith(w) for w in want)
+
     bits = [int(x) for x in a.bits.split(",")]
     targets = [float(x) for x in a.targets.split(",")]
     results = json.loads(a.results.read_text()) if a.results.is_file() else []
@@ -212,7 +248,7 @@ def main() -> None:
     for seed in [int(s) for s in a.seeds.split(",")]:
         torch.manual_seed(seed)
         base = NasConfig(target_bits=targets[0], bits=bits, seed=seed, train_tokens=a.train_tokens, refine_blocks=a.refine_blocks,
-                         refine_evals=a.refine_evals, eval_tokens=0, measure_speed=False)
+                         refine_evals=a.refine_evals, eval_tokens=0, measure_speed=False, search_steps=a.search_steps)
         model = load_model("smollm2-135m").model
         space = build_space(model, base)
         costs = build_cost_models(model, space, "analytic", base.context_len)
@@ -228,12 +264,13 @@ def main() -> None:
             bank = S.bank_for(model, space, base, blocks)
             torch.save(bank.entries, bpath)
         t_bank = time.time() - t0
-        tpath = a.work / f"table_s{seed}_tt{a.train_tokens}_{'-'.join(map(str, bits))}_{a.measure_blocks}.json"
+        tpath = a.work / f"table_s{seed}_tt{a.train_tokens}_{'-'.join(map(str, bits))}_{a.measure_blocks}x{a.table_tokens}.json"
         t0 = time.time()
+        table = None
         if tpath.is_file():
             table = json.loads(tpath.read_text())
-        else:
-            table = measure_table(model, space, bank, blocks[-a.measure_blocks:])
+        elif wanted("knapsack"):
+            table = measure_table(model, space, bank, blocks[-a.measure_blocks:, : a.table_tokens])
             tpath.write_text(json.dumps(table))
         t_table = time.time() - t0
         print(f"seed {seed}: bank {t_bank:.0f}s, table {t_table:.0f}s", flush=True)
@@ -250,11 +287,15 @@ def main() -> None:
             base_idx = uni.bits[0][0]
             t0 = time.time()
             plans["llama.cpp-style"] = (llamacpp_plan(space, costs, tg, base_idx), {"seconds": time.time() - t0})
-            plans["knapsack (measured per-linear KL)"] = (knapsack_plan(space, table, target),
-                                                          {"seconds": t_table, "evaluations": len(table)})
+            if table is not None:
+                plans["knapsack (measured per-linear KL)"] = (knapsack_plan(space, table, target),
+                                                              {"seconds": t_table, "evaluations": len(table),
+                                                               "tokens_per_evaluation": a.measure_blocks * a.table_tokens})
             runs = {"joint": cfg, "joint, 0 steps (proxy + repair)": dataclasses.replace(cfg, search_steps=0),
                     "joint, kappa 0": dataclasses.replace(cfg, init_kappa=0.0)}
             for name, c in runs.items():
+                if not wanted(name):
+                    continue
                 out = a.work / f"run_s{seed}_t{target}_{name.split(',')[0]}_{c.grad_steps}_{c.init_kappa}"
                 out.mkdir(parents=True, exist_ok=True)
                 for p in out.glob("*"):
@@ -262,22 +303,26 @@ def main() -> None:
                 t0 = time.time()
                 res = S.search_joint(model, space, costs, c, blocks, out, False, held, bank=bank)
                 plans[name] = (res.arch, {"seconds": time.time() - t0, "refine": res.refine, "grad_steps": c.grad_steps})
-            out = a.work / f"run_s{seed}_t{target}_seq"
-            out.mkdir(parents=True, exist_ok=True)
-            for p in out.glob("*"):
-                p.unlink()
-            t0 = time.time()
-            res = S.search_sequential(model, space, costs, cfg, blocks, out, False, held, bank=bank)
-            plans["sequential (= mixed precision only here)"] = (res.arch, {"seconds": time.time() - t0, "refine": res.refine})
+            if wanted("sequential"):
+                out = a.work / f"run_s{seed}_t{target}_seq"
+                out.mkdir(parents=True, exist_ok=True)
+                for p in out.glob("*"):
+                    p.unlink()
+                t0 = time.time()
+                res = S.search_sequential(model, space, costs, cfg, blocks, out, False, held, bank=bank)
+                plans["sequential (= mixed precision only here)"] = (res.arch, {"seconds": time.time() - t0, "refine": res.refine})
             # EvoPress at equal forward tokens: joint's gradient steps (teacher + student forward + backward
             # ~ 4 forwards of seq_len * batch_size tokens each) plus its validated-step evaluations
             grad_tokens = 4 * cfg.grad_steps * cfg.seq_len * cfg.batch_size
             evo_evals = cfg.refine_evals + 2 + grad_tokens // tokens_fwd_per_eval
-            t0 = time.time()
-            start = upgrade(space, uni, None, costs, tg)
-            arch, _, used = evopress(model, net, space, costs, tg, start, held, evo_evals, a.lam, seed + 31)
-            plans["evopress (1+λ)"] = (arch, {"seconds": time.time() - t0, "evaluations": used})
+            if wanted("evopress"):
+                t0 = time.time()
+                start = upgrade(space, uni, None, costs, tg)
+                arch, _, used = evopress(model, net, space, costs, tg, start, held, evo_evals, a.lam, seed + 31)
+                plans["evopress (1+λ)"] = (arch, {"seconds": time.time() - t0, "evaluations": used})
             for name, (arch, info) in plans.items():
+                if not wanted(name):
+                    continue
                 m = costs.metrics(arch)
                 assert m["bits"] <= target + 1e-9, (name, m)
                 kl = arch_kl(model, net, arch, held, ref_h)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from llmcompress.quant.apply import QuantizedWeight
 
 FLOAT_BITS = 16  # a bit width at or above this keeps the floating weight
+SHARED_INPUT = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj", "mlp.up_proj": "mlp.gate_proj"}
 
 
 @dataclass
@@ -103,7 +104,11 @@ def build_bank(model, space: SearchSpace, method: str = "gptq", blocks=None, act
 
         if blocks is None:
             raise ValueError("GPTQ needs calibration blocks")
-        H = input_hessians(model, list(fqns.values()), blocks)
+        # linears reading the same input share one Hessian (q/k/v read the attention norm's output, gate/up
+        # the MLP norm's): one x^T x per distinct input instead of one per linear
+        own = {n: SHARED_INPUT.get(n, n) for n in space.linears}
+        H = input_hessians(model, sorted({space.fqn(i, own[n]) for i in range(space.n_layers) for n in space.linears}), blocks)
+        H = {fqns[(i, j)]: H[space.fqn(i, own[n])] for i in range(space.n_layers) for j, n in enumerate(space.linears)}
     items = [(i, j) for i in range(len(layers)) for j in range(len(space.linears))]
     for i, j in track(items, f"quantizing every choice ({method.upper()}, {len(space.bits)} bit widths)") if progress else items:
         W = mods[fqns[(i, j)]].weight
