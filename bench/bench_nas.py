@@ -203,6 +203,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--bits", default="2,3,4,5,6,8")
     ap.add_argument("--train-tokens", type=int, default=16384)
+    ap.add_argument("--quant", default="gptq", choices=["gptq", "rtn"], help="the one quantizer of every row")
+    ap.add_argument("--gptq-blocks", type=int, default=128)
     ap.add_argument("--refine-blocks", type=int, default=8)
     ap.add_argument("--refine-evals", type=int, default=16)
     ap.add_argument("--measure-blocks", type=int, default=2)
@@ -248,23 +250,24 @@ def main() -> None:
     for seed in [int(s) for s in a.seeds.split(",")]:
         torch.manual_seed(seed)
         base = NasConfig(target_bits=targets[0], bits=bits, seed=seed, train_tokens=a.train_tokens, refine_blocks=a.refine_blocks,
-                         refine_evals=a.refine_evals, eval_tokens=0, measure_speed=False, search_steps=a.search_steps)
+                         refine_evals=a.refine_evals, eval_tokens=0, measure_speed=False, search_steps=a.search_steps,
+                         quant_method=a.quant, gptq_blocks=a.gptq_blocks)
         model = load_model("smollm2-135m").model
         space = build_space(model, base)
         costs = build_cost_models(model, space, "analytic", base.context_len)
         blocks, held = _blocks(tok, base)
         permute_mlp_(model, [i.argsort(descending=True, stable=True) for i in mlp_channel_importance(model, blocks[:8])])
         t0 = time.time()
-        bpath = a.work / f"bank_s{seed}_tt{a.train_tokens}_{'-'.join(map(str, bits))}.pt"
+        bpath = a.work / f"bank_{a.quant}{a.gptq_blocks if a.quant == 'gptq' else ''}_s{seed}_tt{a.train_tokens}_{'-'.join(map(str, bits))}.pt"
         if bpath.is_file():
-            bank = QuantBank(space, "gptq", False, True, torch.load(bpath, weights_only=True))
+            bank = QuantBank(space, a.quant, False, True, torch.load(bpath, weights_only=True))
             mods = dict(model.named_modules())
             bank.floats = {(i, j): mods[space.fqn(i, n)].weight.detach() for i in range(space.n_layers) for j, n in enumerate(space.linears)}
         else:
             bank = S.bank_for(model, space, base, blocks)
             torch.save(bank.entries, bpath)
         t_bank = time.time() - t0
-        tpath = a.work / f"table_s{seed}_tt{a.train_tokens}_{'-'.join(map(str, bits))}_{a.measure_blocks}x{a.table_tokens}.json"
+        tpath = a.work / f"table_{a.quant}{a.gptq_blocks if a.quant == 'gptq' else ''}_s{seed}_tt{a.train_tokens}_{'-'.join(map(str, bits))}_{a.measure_blocks}x{a.table_tokens}.json"
         t0 = time.time()
         table = None
         if tpath.is_file():
@@ -338,7 +341,7 @@ def main() -> None:
                 for row in arch.bits:
                     for b in row:
                         counts[space.bits[b]] = counts.get(space.bits[b], 0) + 1
-                rec = {"seed": seed, "target_bits": target, "method": name, "avg_bits": m["bits"], "modeled_latency": m["latency"],
+                rec = {"seed": seed, "target_bits": target, "method": name, "quant": a.quant, "avg_bits": m["bits"], "modeled_latency": m["latency"],
                        "size_mb": m["size_mb"], "heldout_kl": kl, "wikitext2_ppl": ppl, "shakespeare_ppl": ood_ppl,
                        "shakespeare_kl": ood_kl, **piqa, "bits_histogram": counts, "kept": sum(arch.keep),
                        "info": {k: v for k, v in info.items()}, "eval_tokens": a.eval_tokens, "ood_tokens": int(ood.numel()),
