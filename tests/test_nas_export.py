@@ -157,24 +157,106 @@ def test_search_respects_targets(tmp_path, mode):
         assert res.arch.bits[0][0] == space.bits.index(4)
 
 
-def test_resume_continues_from_checkpoint(tmp_path):
+def _interrupt_at(monkeypatch, step):
+    """Make the search stop with KeyboardInterrupt when it logs `step` (after the checkpoint of step - 1)."""
+    from llmcompress.nas import search as S
+
+    real = S.append_jsonl
+
+    def flaky(path, rec):
+        if rec.get("step") == step:
+            raise KeyboardInterrupt
+        real(path, rec)
+
+    monkeypatch.setattr(S, "append_jsonl", flaky)
+    return real
+
+
+def test_resume_uses_the_checkpoint(tmp_path, monkeypatch):
+    """An interrupted search resumed from its checkpoint ends where an uninterrupted one does, runs only the
+    missing steps, and really starts from the saved state: a tampered checkpoint changes the result."""
     import dataclasses
 
+    from llmcompress.nas import search as S
+
     model, cfg, space = _setup(target_bits=4.0)
-    cfg = dataclasses.replace(cfg, train_tokens=512, checkpoint_every=2)  # 4 steps
+    cfg = dataclasses.replace(cfg, train_tokens=512, checkpoint_every=2, lr=0.5)  # 4 steps
     costs = build_cost_models(model, space, "analytic", 32)
-    full = search_joint(model, space, costs, cfg, IDS, tmp_path / "a", False) if (tmp_path / "a").mkdir() is None else None
-    # interrupted run: only the first 2 steps, then resume to 4
-    (tmp_path / "b").mkdir()
-    short = dataclasses.replace(cfg, train_tokens=256)
-    search_joint(model, space, costs, short, IDS, tmp_path / "b", False)
-    state = torch.load(tmp_path / "b" / "search_state_joint.pt", weights_only=True)
-    state["fingerprint"] = cfg.fingerprint()
-    torch.save(state, tmp_path / "b" / "search_state_joint.pt")
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    full = search_joint(model, space, costs, cfg, IDS, tmp_path / "a", False)
+
+    def interrupted(d):
+        real = _interrupt_at(monkeypatch, 3)
+        with pytest.raises(KeyboardInterrupt):
+            search_joint(model, space, costs, cfg, IDS, tmp_path / d, False)
+        monkeypatch.setattr(S, "append_jsonl", real)
+        assert torch.load(tmp_path / d / "search_state_joint.pt", weights_only=True)["step"] == 2
+
+    interrupted("b")
     resumed = search_joint(model, space, costs, cfg, IDS, tmp_path / "b", True)
-    # tau schedules differ between a 2-step and a 4-step run, so compare structure, not values
-    assert torch.load(tmp_path / "b" / "search_state_joint.pt", weights_only=True)["step"] == 4
-    assert resumed.logits["bits"].shape == full.logits["bits"].shape
+    for k in full.logits:
+        torch.testing.assert_close(resumed.logits[k], full.logits[k], rtol=0, atol=1e-6)
+    steps = [r["step"] for r in map(__import__("json").loads, (tmp_path / "b" / "search_log.jsonl").read_text().splitlines())]
+    assert steps == [1, 2, 3, 4]  # steps 1-2 before the interruption, only 3-4 after it
+    # the same interruption, but the saved logits altered: the resumed run must carry the change
+    interrupted("c")
+    path = tmp_path / "c" / "search_state_joint.pt"
+    st = torch.load(path, weights_only=True)
+    st["net"]["bits"][0, 0, 0] += 50.0
+    torch.save(st, path)
+    tampered = search_joint(model, space, costs, cfg, IDS, tmp_path / "c", True)
+    shift = float(tampered.logits["bits"][0, 0, 0] - full.logits["bits"][0, 0, 0])
+    assert 45 < shift < 55  # two more Adam steps of lr 0.5 cannot undo (or fake) a shift of 50
+
+
+def test_sixteen_bits_cost_no_more_than_dense():
+    model, _, space = _setup(target_bits=4, bits=[2, 4, 16])
+    costs = build_cost_models(model, space, "analytic", 32)
+    m = costs.metrics(Arch.dense(space))  # every linear at 16 bits: the dense float16 model
+    assert m["latency"] == pytest.approx(1.0, rel=1e-9)
+    assert m["size_mb"] == pytest.approx(sum(p.numel() for p in model.parameters()) * 2 / 1e6, rel=1e-9)
+
+
+def test_bank_gptq_is_the_exporters_gptq():
+    """The bank's GPTQ weights (one Hessian pass of the teacher) are bit for bit what GPTQ-quantizing the
+    dense derived model by its plan gives."""
+    from llmcompress.nas.qbank import build_bank
+    from llmcompress.quant.gptq import gptq_model_
+
+    model, _, space = _setup(target_bits=4.0)
+    arch = Arch.dense(space, space.bits.index(3))
+    arch.bits[1][2] = space.bits.index(5)
+    bank = build_bank(model, space, "gptq", IDS, act_order=True, progress=False)
+    shipped = E.apply_bank(E.derive_model(model, space, arch), space, arch, bank)
+    direct = gptq_model_(E.derive_model(model, space, arch), E.plan_of(space, arch, method="gptq"), IDS, progress=False, act_order=True)
+    assert set(shipped) == set(direct) and len(shipped) == 4 * 7
+    for f, q in direct.items():
+        assert torch.equal(shipped[f].q, q.q) and torch.equal(shipped[f].scale, q.scale) and shipped[f].bits == q.bits, f
+
+
+def test_shipped_model_computes_what_the_supernet_scored():
+    """Skips, MLP widths and bits of an architecture: the derived model with the bank's weights gives the
+    supernet's logits for that architecture (so the validated step's KL is the exported model's KL)."""
+    from llmcompress.nas.qbank import build_bank
+    from llmcompress.nas.supernet import Supernet
+
+    model, _, space = _setup(target_bits=4.0)
+    arch = _some_arch(space)
+    bank = build_bank(model, space, "gptq", IDS, act_order=True, progress=False)
+    net = Supernet(model, space, bank)
+    net.fix(arch, {"keep", "width", "bits"})
+    net.sample(1.0)
+    net.install()
+    try:
+        with net.student(), torch.no_grad():
+            searched = model(input_ids=IDS[:2], use_cache=False).logits
+    finally:
+        net.remove()
+    derived = E.derive_model(model, space, arch)
+    E.apply_bank(derived, space, arch, bank)
+    torch.testing.assert_close(logits(derived), searched, rtol=1e-5, atol=1e-5)
+    assert (logits(derived) - logits(model)).abs().max() > 1e-2  # and it is not the teacher
 
 
 def test_unreachable_target_is_a_user_error():

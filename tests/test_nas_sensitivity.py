@@ -72,19 +72,43 @@ def _gain(logits, old, new):
     return _logit_drop(logits, new, ("width" if old.width[i] != new.width[i] else "skip", i, None))
 
 
-def test_proxy_repair_beats_uniform_bits_at_equal_budget(setup):
-    """With no search steps, the proxy's greedy allocation already has a lower proxy error than uniform 4 bits."""
-    model, _, space, costs = setup
-    sens = S.measure(model, space, IDS)
-    logits = S.init_logits(sens, cap=1e9)
-    targets = {"bits": 4.0}
-    arch = upgrade(space, repair(space, Arch.dense(space), logits, costs, targets), logits, costs, targets)
-    uni = Arch.dense(space, space.bits.index(4))
+def test_proxy_finds_the_fragile_linear_that_measurement_finds():
+    """Judged by measured KL, not by the proxy: with one linear made fragile (an outlier in every group, so
+    low-bit groups round its other weights coarsely), quantizing that linear alone costs the most measured
+    KL, and the calibrated proxy ranks it first too. And the calibrated proxies of a layer add up to the KL
+    measured with all its linears at the lowest bits (what calibration promises)."""
+    from conftest import tiny_model
 
-    def err(a):
-        return sum(float(sens.bits[i, j, a.bits[i][j]]) for i in range(space.n_layers) for j in range(len(space.linears)))
+    from llmcompress.nas.config import NasConfig
+    from llmcompress.nas.refine import arch_kl
+    from llmcompress.nas.space import build_space
+    from llmcompress.nas.supernet import Supernet
 
-    assert costs.metrics(arch)["bits"] <= 4.0 + 1e-9 and err(arch) < err(uni)
+    torch.manual_seed(0)
+    model = tiny_model("llama", layers=4)
+    space = build_space(model, NasConfig(target_bits=4.0, bits=[2, 4, 16]))
+    lin = dict(model.named_modules())[space.fqn(2, "self_attn.v_proj")]
+    with torch.no_grad():
+        lin.weight[:, :: space.group_size] = 4 * lin.weight.abs().max()
+    calib, held = IDS[:4], IDS[4:]
+    sens = S.calibrate(model, space, calib, S.measure(model, space, IDS))
+    net = Supernet(model, space)
+    ref = S.reference_logp(model, held)
+    k4 = space.bits.index(4)
+    measured = torch.zeros(space.n_layers, len(space.linears))
+    for i in range(space.n_layers):
+        for j in range(len(space.linears)):
+            a = Arch.dense(space)
+            a.bits[i][j] = k4
+            measured[i, j] = arch_kl(model, net, a, held, ref)
+    planted = 2 * len(space.linears) + space.linears.index("self_attn.v_proj")
+    assert int(measured.flatten().argmax()) == planted  # the model: the planted linear is the fragile one
+    assert int(sens.bits[..., k4].flatten().argmax()) == planted  # the proxy agrees
+    ref_c = S.reference_logp(model, calib)
+    for i in (0, 3):
+        a = Arch.dense(space)
+        a.bits[i] = [0] * len(space.linears)
+        assert float(sens.bits[i, :, 0].sum()) == pytest.approx(arch_kl(model, net, a, calib, ref_c), rel=1e-3)
 
 
 def test_calibrated_proxy_predicts_kl_and_restores_model(setup):

@@ -161,6 +161,7 @@ def test_spec_file_values_meet_the_same_ranges(tmp_path, capsys):
         ("nas", "lr: -0.1\n", "lr must be > 0"),
         ("nas", "checkpoint_every: 0\n", "checkpoint_every must be >= 1"),
         ("nas", "min_keep_frac: 0\n", "min_keep_frac must be > 0"),
+        ("nas", "search_steps: -1\n", "search_steps must be >= 0"),
     ]
     for cmd, text, needle in cases:
         spec = tmp_path / "spec.yaml"

@@ -43,7 +43,7 @@ class NasConfig:
     Attributes:
         model: model spec (alias, HF directory, .gguf, hub id).
         mode: joint (architecture and bits searched together), sequential (architecture searched in full
-            precision, then bits under the same budget), uniform (dense architecture, uniform RTN).
+            precision, then bits under the same budget), uniform (dense architecture, one bit width, the same quantizer).
         baselines: extra modes run in the same command for the report (their arch.json only).
         target_latency: modeled latency relative to the dense model (e.g. 0.6).
         target_size_mb: size of the packed weights in MB (10**6 bytes), embeddings included.
@@ -58,12 +58,15 @@ class NasConfig:
             decoded token). Both are relative to the dense float16 model.
         context_len: KV-cache length assumed by the cost models.
         train_tokens, seq_len, batch_size: search data (steps = train_tokens / (seq_len * batch_size)).
+        search_steps: gradient steps of the logits (None: one per batch of the search data; 0: no gradient
+            phase, the plan is the sensitivity proxy's argmax + repair/upgrade; see the README's ablation).
         lr: Adam learning rate of the architecture logits; tau_start/tau_end: Gumbel temperature
             (annealed exponentially); lam: penalty weight of max(0, cost / target - 1).
         hidden_mse: weight of a final-hidden-state MSE next to the logit KL (0 = off).
-        quant_method: how the derived plan is applied: rtn (round-to-nearest) or gptq (error compensation
-            with Hessians from `gptq_blocks` calibration blocks; `gptq_act_order`: columns in order of
-            decreasing input energy, static groups). The uniform baseline is always RTN.
+        quant_method: the quantizer of every step: the supernet, the sensitivities, the validated step and the
+            export all use the same weights (nas/qbank.py): rtn (round-to-nearest) or gptq (error compensation
+            with Hessians of the teacher's inputs on `gptq_blocks` calibration blocks; `gptq_act_order`:
+            columns in order of decreasing input energy, static groups). Every mode, uniform included.
         init_kappa: logits start at -init_kappa * (proxy error of the choice) / (median 4-bit error), from
             a diagonal-Hessian proxy on `sensitivity_blocks` calibration blocks (0 = all logits start equal).
         refine_evals: level-switch mutations scored by measured KL after the search (nas/refine.py; 0 = off,
@@ -88,7 +91,7 @@ class NasConfig:
     target_latency: float | None = None
     target_size_mb: float | None = None
     target_bits: float | None = None
-    bits: list[int] = field(default_factory=lambda: [2, 3, 4, 8, 16])
+    bits: list[int] = field(default_factory=lambda: [2, 3, 4, 5, 6, 8, 16])
     group_size: int = 0
     width_choices: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])
     allow_skip: bool = True
@@ -98,6 +101,7 @@ class NasConfig:
     calib_source: str = "wikitext2"
     calib_split: str = "valid"
     train_tokens: int = 16384
+    search_steps: int | None = None
     seq_len: int = 128
     batch_size: int = 4
     lr: float = 0.05
@@ -121,14 +125,20 @@ class NasConfig:
     act_rank: int | str | None = None
     act_budget: float = 0.25
     seed: int = 0
-    version: int = 4
+    version: int = 5
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @property
     def steps(self) -> int:
+        """Batches of search data (calibration blocks = steps * batch_size)."""
         return max(1, self.train_tokens // (self.seq_len * self.batch_size))
+
+    @property
+    def grad_steps(self) -> int:
+        """Gradient steps of the architecture logits."""
+        return self.steps if self.search_steps is None else self.search_steps
 
     def targets(self) -> dict[str, float]:
         t = {"latency": self.target_latency, "size_mb": self.target_size_mb, "bits": self.target_bits}
@@ -193,6 +203,7 @@ RANGES = {
     "min_keep_frac": Real("min_keep_frac", 0.0, 1.0, lo_open=True),
     "context_len": Int("context_len", 1, MAX_SEQ),
     "train_tokens": Int("--train-tokens", 1, MAX_TOKENS),
+    "search_steps": Int("search_steps", 0, MAX_COUNT, note="0: no gradient phase (proxy + repair)"),
     "seq_len": Int("seq_len", 2, MAX_SEQ),
     "batch_size": Int("batch_size", 1, MAX_BATCH),
     "lr": Real("lr", 0.0, 10.0, lo_open=True),

@@ -10,7 +10,8 @@ choice distributions are exact and differentiable:
   B = 1: this CPU build has no low-bit kernels (weights are dequantized and run in float32), so bit width
   does not change measured time here. The lut is saved to `lut.json` in the run directory.
 * analytic: bytes read per decoded token (memory-bound decode): A = weight count at that width,
-  B = (bits + (16 + bits) / group_size) / 8 bytes per weight (packed ints + fp16 scale + packed zero),
+  B = (bits + (16 + bits) / group_size) / 8 bytes per weight (packed ints + fp16 scale + packed zero;
+  2 bytes for a 16-bit choice, which stays float16),
   layer_const = KV-cache bytes read at `context_len` + norms, fixed = float16 head (+ final norm).
 Latencies are relative to the dense float16 model under the same model.
 """
@@ -60,7 +61,9 @@ def _numel_table(space: SearchSpace) -> dict[str, list[float]]:
 
 
 def _byte_factors(space: SearchSpace) -> list[float]:
-    return [(b + (16 + b) / space.group_size) / 8 for b in space.bits]
+    """Bytes per weight at each bit width: packed ints + float16 scale + packed zero per group; a 16-bit
+    choice is the plain float16 weight (2 bytes, no scales: never more than dense)."""
+    return [2.0 if b >= 16 else (b + (16 + b) / space.group_size) / 8 for b in space.bits]
 
 
 class CostModels:

@@ -3,8 +3,10 @@
 * derive_model: copies the (channel-ranked) teacher, keeps the first `width` MLP channels of each kept
   layer (truly smaller tensors) and removes skipped layers with llmcompress.io.surgery.
 * plan_of: the MixedPrecisionPlan (new module FQN -> bits, group size) of the derived model.
-* quantize_derived: RTN- or GPTQ-quantizes the planned linears (weights become their dequantized values)
-  and rounds every other floating tensor to float16.
+* apply_bank: the pipeline's path: copies the search's own quantized weights (nas/qbank.py, sliced to the
+  MLP widths) into the derived model, so the export is exactly the model the search and its validated step
+  scored; every other tensor stays as it was.
+* quantize_derived: RTN- or GPTQ-quantizes a derived model from scratch (callers without a bank; tests) and rounds every other floating tensor to float16.
 * save_hf: a *dequantized* checkpoint for evaluation, which plain transformers loads (in the source dtype).
   A LlamaConfig has one intermediate_size, so pruned MLP channels are zero-padded back to it: a zero row
   of gate/up and a zero column of down contribute exactly nothing, so outputs equal the sliced model's.
@@ -64,8 +66,8 @@ def derive_model(teacher, space: SearchSpace, arch: Arch):
     return model.eval()
 
 
-def plan_of(space: SearchSpace, arch: Arch, sym8: bool = False) -> MixedPrecisionPlan:
-    """The derived model's plan; `sym8`: 8-bit layers symmetric (GGUF's Q8_0 is)."""
+def plan_of(space: SearchSpace, arch: Arch, sym8: bool = False, method: str = "rtn") -> MixedPrecisionPlan:
+    """The derived model's plan; `sym8`: 8-bit layers symmetric (GGUF's Q8_0 is); 16-bit entries stay float."""
     plan = MixedPrecisionPlan()
     new = 0
     for i in range(space.n_layers):
@@ -73,7 +75,8 @@ def plan_of(space: SearchSpace, arch: Arch, sym8: bool = False) -> MixedPrecisio
             continue
         for name, b in zip(space.linears, arch.bits[i]):
             bits = space.bits[b]
-            plan[space.fqn(new, name)] = QuantConfig(bits=bits, group_size=space.group_size, sym=sym8 and bits == 8)
+            plan[space.fqn(new, name)] = (None if bits >= 16 else
+                                          QuantConfig(bits=bits, group_size=space.group_size, method=method, sym=sym8 and bits == 8))
         new += 1
     plan["_default"] = None  # embeddings, norms and head stay float16
     return plan
@@ -81,6 +84,30 @@ def plan_of(space: SearchSpace, arch: Arch, sym8: bool = False) -> MixedPrecisio
 
 def mlp_widths(model) -> list[int]:
     return [layer.mlp.down_proj.in_features for layer in get_adapter(model).decoder_layers(model)]
+
+
+def apply_bank(model, space: SearchSpace, arch: Arch, bank) -> dict[str, QuantizedWeight]:
+    """Copy the bank's quantized weights of `arch` into its derived `model` (derive_model(teacher, space,
+    arch)); returns the integer weights by the derived model's FQNs (16-bit choices stay float, absent)."""
+    mods = dict(model.named_modules())
+    out: dict[str, QuantizedWeight] = {}
+    new = 0
+    for i in range(space.n_layers):
+        if not arch.keep[i]:
+            continue
+        width = space.widths[arch.width[i]]
+        for j, name in enumerate(space.linears):
+            qw = bank.qweight(i, j, arch.bits[i][j], width)
+            lin = mods[space.fqn(new, name)]
+            if qw is None:
+                continue
+            if tuple(qw.q.shape) != tuple(lin.weight.shape):
+                raise ValueError(f"bank weight {tuple(qw.q.shape)} does not fit {space.fqn(new, name)} {tuple(lin.weight.shape)}")
+            with torch.no_grad():
+                lin.weight.copy_(qw.dequantize(lin.weight.dtype))
+            out[space.fqn(new, name)] = qw
+        new += 1
+    return out
 
 
 def quantize_derived(model, plan: MixedPrecisionPlan, method: str = "rtn", blocks=None, act_order: bool = False) -> dict[str, QuantizedWeight]:

@@ -108,6 +108,9 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
         write_json(out / "lut.json", costs.lut)
     imp = mlp_channel_importance(teacher, blocks[: min(8, len(blocks))])
     permute_mlp_(teacher, [i.argsort(descending=True, stable=True) for i in imp])
+    # one quantizer for the whole run: the supernet, the sensitivities, the validated step and the export
+    # all read these weights (nas/qbank.py), whatever the mode
+    bank = S.bank_for(teacher, space, cfg, blocks)
 
     rows = [{"name": "dense (float32)", "layers": space.n_layers, "mean_width": space.intermediate, "avg_bits": 16.0,
              "size_mb": sum(p.numel() for p in teacher.parameters()) * 2 / 1e6, "modeled_latency": 1.0,
@@ -116,24 +119,19 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
     modes = [cfg.mode] + [m for m in cfg.baselines if m != cfg.mode]
     primary = None
     summaries = {}
+    method = cfg.quant_method
     for mode in modes:
         if mode == "joint":
-            res = S.search_joint(teacher, space, costs, cfg, blocks, out, resume, held_out)
+            res = S.search_joint(teacher, space, costs, cfg, blocks, out, resume, held_out, bank=bank)
         elif mode == "sequential":
-            res = S.search_sequential(teacher, space, costs, cfg, blocks, out, resume, held_out)
+            res = S.search_sequential(teacher, space, costs, cfg, blocks, out, resume, held_out, bank=bank)
         else:
             res = S.search_uniform(space, costs, cfg)
         if res.note:
             notes.append(f"{mode}: {res.note}")
-        method = "rtn" if mode == "uniform" else cfg.quant_method
-        if mode == "uniform" and cfg.quant_method == "gptq":  # the same plan with GPTQ: separates the two effects
-            extra = E.derive_model(teacher, space, res.arch)
-            E.quantize_derived(extra, E.plan_of(space, res.arch, sym8), "gptq", blocks[: cfg.gptq_blocks], cfg.gptq_act_order)
-            rows.append(_row("uniform (GPTQ)", space, res, _evaluate(extra, tok, cfg)))
-            del extra
         model = E.derive_model(teacher, space, res.arch)
-        plan = E.plan_of(space, res.arch, sym8)
-        qweights = E.quantize_derived(model, plan, method, blocks[: cfg.gptq_blocks], cfg.gptq_act_order)
+        plan = E.plan_of(space, res.arch, sym8, method)
+        qweights = E.apply_bank(model, space, res.arch, bank)
         evals = _evaluate(model, tok, cfg)
         row = _row(f"{mode} ({method.upper()})", space, res, evals)
         rows.append(row)
@@ -142,7 +140,7 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
                    "plan": plan.to_dict(), "refine": res.refine}
         summaries[mode] = summary
         if mode == cfg.mode:
-            manifest = build_manifest(source=cfg.model, source_hash=lm.source_hash, method=f"nas-{mode}", config=cfg.to_dict(),
+            manifest = build_manifest(source=cfg.model, source_hash=lm.source_hash, method=f"nas-{mode}/{method}", config=cfg.to_dict(),
                                       metrics={**evals, **res.metrics}, extra={"plan": plan.to_dict()})
             E.save_hf(model, tok, out / "hf", manifest, space.intermediate, overwrite=True, dtype=save_dtype)
             from llmcompress.eval.speed import disk_bytes

@@ -5,8 +5,8 @@ proxy adds per-layer errors that compound in reality; see bench/RESULTS-nas.md).
 search therefore measures it, on calibration blocks the search never trained on:
 
 1. every start candidate (the search's derived architecture and, for `joint`, the uniform plan when it
-   lies in the space and meets the targets) is scored by the KL of the quantized model (round-to-nearest
-   weights, the supernet's own) against the teacher;
+   lies in the space and meets the targets) is scored by the KL of the quantized model (the bank's
+   weights, nas/qbank.py: the ones the export ships) against the teacher;
 2. from the best of them, `evals` times: a level-switch mutation (`mutate`: raise one choice by a level,
    lower random others of the same kind until every target holds again, then spend what is left with
    the logits' greedy upgrade) is scored the same way and kept when its KL is lower (EvoPress-style).
@@ -62,7 +62,7 @@ def mutate(space: SearchSpace, arch: Arch, costs, targets: dict[str, float], rng
 
 
 def arch_kl(model, net: Supernet, arch: Arch, blocks: torch.Tensor, ref: list[torch.Tensor], batch: int = 2) -> float:
-    """Mean per-token KL(teacher || `arch` with round-to-nearest weights) on `blocks`; `net` is restored."""
+    """Mean per-token KL(teacher || `arch` with the bank's weights) on `blocks`; `net` is restored."""
     saved, learn = net.logits(), set(net.learn)
     net.fix(arch, {"keep", "width", "bits"})
     net.sample(1.0)  # nothing is learned: the one-hot logits' softmax, exact to e^-60

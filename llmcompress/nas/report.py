@@ -13,10 +13,10 @@ def render(rows: list[dict], cfg, lut: dict | None, notes: list[str]) -> str:
         "",
         f"Model `{cfg.model}`, cost model `{cfg.cost_model}`, targets {cfg.targets()}, bits {cfg.bits}, "
         f"train tokens {cfg.train_tokens} (seq {cfg.seq_len}), eval: WikiText-2 raw test, first {cfg.eval_tokens} tokens at {cfg.eval_seq_len}.",
-        f"Searched plans are applied by {getattr(cfg, 'quant_method', 'rtn').upper()}"
+        f"Every row's weights come from one {getattr(cfg, 'quant_method', 'rtn').upper()} quantizer"
         + (" (act-order, static groups)" if getattr(cfg, "quant_method", "rtn") == "gptq" and getattr(cfg, "gptq_act_order", False) else "")
-        + "; the uniform baseline by RTN"
-        + (" (and, to separate the two effects, also by GPTQ)." if getattr(cfg, "quant_method", "rtn") == "gptq" else "."),
+        + ", computed once per bit width: the search scores the weights that are exported, and uniform differs from joint "
+        "only by the plan.",
         "",
     ]
     lines += markdown_table(

@@ -61,7 +61,9 @@ def run_stage(
     """Train the supernet's learnable logits for cfg.steps steps; returns the final logits."""
     from llmcompress.progress import bar
 
-    steps, targets = cfg.steps, cfg.targets()
+    steps, targets = cfg.grad_steps, cfg.targets()
+    if steps == 0:  # no gradient phase: the initial (proxy) logits are the result
+        return net.logits()
     opt = torch.optim.Adam(net.trainable(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed + 17)
     state_path = out / f"search_state_{stage}.pt"
@@ -139,14 +141,14 @@ def initial_logits(model, net: Supernet, cfg: NasConfig, blocks: torch.Tensor) -
     """Sensitivity-proxy logits (see nas/sensitivity.py), or None when cfg.init is "uniform"."""
     if cfg.init_kappa <= 0:
         return None
-    key = (id(model), cfg.fingerprint())
+    key = (id(model), id(net.bank), cfg.fingerprint())
     if key in _INIT_MEMO:  # joint and sequential in one run share it
         return {k: v.clone() for k, v in _INIT_MEMO[key].items()}
     from llmcompress.nas import sensitivity
 
     calib = blocks[: cfg.sensitivity_blocks]
-    sens = sensitivity.measure(model, net.space, calib, net._qweights)
-    sens = sensitivity.calibrate(model, net.space, calib[: max(1, cfg.sensitivity_blocks // 4)], sens, net._qweights)
+    sens = sensitivity.measure(model, net.space, calib, net.bank)
+    sens = sensitivity.calibrate(model, net.space, calib[: max(1, cfg.sensitivity_blocks // 4)], sens, net.bank)
     _INIT_MEMO.clear()
     _INIT_MEMO[key] = sensitivity.init_logits(sens, kappa=cfg.init_kappa)
     return {k: v.clone() for k, v in _INIT_MEMO[key].items()}
@@ -181,8 +183,15 @@ def _refined(model, net, res: SearchResult, costs, cfg, held_out, out: Path, sta
     return SearchResult(res.mode, r.arch, costs.metrics(r.arch), res.logits, res.note, r.summary())
 
 
-def search_joint(model, space, costs, cfg, blocks, out, resume, held_out=None) -> SearchResult:
-    net = Supernet(model, space)
+def bank_for(model, space: SearchSpace, cfg: NasConfig, blocks: torch.Tensor):
+    """The quantized weights every step of the run uses and the export ships (nas/qbank.py)."""
+    from llmcompress.nas.qbank import build_bank
+
+    return build_bank(model, space, cfg.quant_method, blocks[: cfg.gptq_blocks], cfg.gptq_act_order, sym8="gguf" in cfg.export)
+
+
+def search_joint(model, space, costs, cfg, blocks, out, resume, held_out=None, bank=None) -> SearchResult:
+    net = Supernet(model, space, bank if bank is not None else bank_for(model, space, cfg, blocks))
     init = initial_logits(model, net, cfg, blocks)
     if init is not None:
         net.init_from(init)
@@ -192,13 +201,14 @@ def search_joint(model, space, costs, cfg, blocks, out, resume, held_out=None) -
     return _refined(model, net, res, costs, cfg, held_out, out, starts, {"bits", "width", "skip"}, resume)
 
 
-def search_sequential(model, space, costs, cfg, blocks, out, resume, held_out=None) -> SearchResult:
+def search_sequential(model, space, costs, cfg, blocks, out, resume, held_out=None, bank=None) -> SearchResult:
     """NAS in full precision (bits pinned to the widest), then bits searched on the fixed architecture,
     each stage with half the steps (equal total compute to joint)."""
     import dataclasses
 
-    half = dataclasses.replace(cfg, train_tokens=max(cfg.train_tokens // 2, cfg.seq_len * cfg.batch_size))
-    net = Supernet(model, space)
+    half = dataclasses.replace(cfg, train_tokens=max(cfg.train_tokens // 2, cfg.seq_len * cfg.batch_size),
+                               search_steps=None if cfg.search_steps is None else cfg.search_steps // 2)
+    net = Supernet(model, space, bank if bank is not None else bank_for(model, space, cfg, blocks))
     init = initial_logits(model, net, cfg, blocks)
     if init is not None:
         net.init_from(init, {"keep", "width"})

@@ -28,6 +28,7 @@ from llmcompress.io.forward import forward_with_hooks
 if TYPE_CHECKING:
     import torch
 
+    from llmcompress.nas.qbank import QuantBank
     from llmcompress.nas.space import SearchSpace
 
 
@@ -78,12 +79,14 @@ def weighted_error(W: torch.Tensor, W_hat: torch.Tensor, m2: torch.Tensor) -> fl
     return float(((W.float() - W_hat.float()).pow(2).sum(0) * m2).sum())
 
 
-def measure(model, space: SearchSpace, blocks: torch.Tensor, qweights: dict | None = None) -> Sensitivity:
-    """Sensitivity of every choice of `space` on `blocks` (qweights: precomputed (i, j) -> stacked Q_b(W))."""
+def measure(model, space: SearchSpace, blocks: torch.Tensor, bank: QuantBank | None = None) -> Sensitivity:
+    """Sensitivity of every choice of `space` on `blocks`, for the weights of `bank` (nas/qbank.py: the ones
+    the export ships; default: RTN)."""
     import torch
 
-    from llmcompress.quant.primitives import quantize_dequantize
+    from llmcompress.nas.qbank import build_bank
 
+    bank = bank if bank is not None else build_bank(model, space, "rtn", progress=False)
     m2, resid, update = input_moments(model, blocks, space)
     layers = get_adapter(model).decoder_layers(model)
     L, nl, nb, K = space.n_layers, len(space.linears), len(space.bits), len(space.widths)
@@ -94,8 +97,8 @@ def measure(model, space: SearchSpace, blocks: torch.Tensor, qweights: dict | No
         norm = max(resid[i], 1e-12)
         for j, name in enumerate(space.linears):
             W = mods[name].weight.detach()
-            for k, b in enumerate(space.bits):
-                Wq = qweights[(i, j)][k] if qweights is not None else quantize_dequantize(W, b, space.group_size)
+            for k in range(len(space.bits)):
+                Wq = bank.dequant(i, j, k)
                 bits[i, j, k] = weighted_error(W, Wq, m2[(i, j)]) / norm
         down = layer.mlp.down_proj.weight.detach().float()
         j_down = space.linears.index("mlp.down_proj")
@@ -130,7 +133,7 @@ def mean_kl(model, blocks, ref_logp, batch: int = 2) -> float:
     return total / max(n, 1)
 
 
-def calibrate(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity, qweights: dict | None = None, batch: int = 2) -> Sensitivity:
+def calibrate(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity, bank: QuantBank | None = None, batch: int = 2) -> Sensitivity:
     """Put the three kinds of choice in one unit, the logit KL to the teacher, by measuring it: per layer,
     all its linears at ~4 bits and at the lowest bits (scale that layer's bit proxies; the proxy splits the
     layer's KL between its linears), per layer its MLP at ~half width (scales that layer's width proxies),
@@ -139,8 +142,9 @@ def calibrate(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity
     residual stream's massive activations, have proxies orders of magnitude off.)"""
     import torch
 
-    from llmcompress.quant.primitives import quantize_dequantize
+    from llmcompress.nas.qbank import build_bank
 
+    bank = bank if bank is not None else build_bank(model, space, "rtn", progress=False)
     layers = get_adapter(model).decoder_layers(model)
     ref = reference_logp(model, blocks, batch)
     # bits: per layer, all its linears quantized at once, at ~4 bits and at the lowest width (errors
@@ -157,7 +161,7 @@ def calibrate(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity
                 for j, name in enumerate(space.linears):
                     W = mods[name].weight
                     saved.append(W.detach().clone())
-                    W.copy_(qweights[(i, j)][k] if qweights is not None else quantize_dequantize(W, space.bits[k], space.group_size))
+                    W.copy_(bank.dequant(i, j, k))
             try:
                 kl = mean_kl(model, blocks, ref, batch)
             finally:

@@ -1,8 +1,10 @@
 """A supernet over the teacher's own (frozen) weights: Gumbel-softmax mixtures of the choices.
 
-* bits: each linear's weight becomes sum_b g_b * Q_b(W), where Q_b is group-wise RTN at b bits
-  (precomputed once: the weights are shared with the teacher and frozen, so Q_b(W) does not change;
-  mixing weights is exact for a linear map and costs one matmul instead of one per choice).
+* bits: each linear's weight becomes sum_b g_b * Q_b(W), where Q_b(W) is the weight the export ships at b
+  bits (nas/qbank.py: GPTQ or RTN, computed once; the weights are shared with the teacher and frozen, so
+  Q_b(W) does not change; mixing weights is exact for a linear map and costs one matmul instead of one per
+  choice). The mixture is recomputed from the bank's uint8 integers in forward and backward (`_Mix`),
+  so no float copy of every bit width is held.
 * width: the input of `down_proj` is multiplied by sum_k g_k * prefix_mask_k (channels are ranked, so
   width k keeps the first widths[k] channels).
 * skip: the layer output becomes h + g_keep * (layer(h) - h).
@@ -20,8 +22,32 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmcompress.io.adapters import get_adapter
+from llmcompress.nas.qbank import QuantBank, build_bank
 from llmcompress.nas.space import Arch, SearchSpace
-from llmcompress.quant.primitives import quantize_dequantize
+
+
+class _Mix(torch.autograd.Function):
+    """W = sum_k g_k * bank.dequant(i, j, k), without keeping the dequantized weights for backward."""
+
+    @staticmethod
+    def forward(ctx, g, bank, i, j):
+        ctx.bank, ctx.i, ctx.j = bank, i, j
+        ctx.save_for_backward(g)
+        W = None
+        for k in range(g.shape[0]):
+            if float(g[k]) < 1e-12:  # a one-hot sample is exact; a soft one loses < 1e-12 of a weight
+                continue
+            t = g[k] * bank.dequant(i, j, k)
+            W = t if W is None else W + t
+        return W
+
+    @staticmethod
+    def backward(ctx, gW):
+        (g,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        grad = torch.stack([(gW * ctx.bank.dequant(ctx.i, ctx.j, k)).sum() for k in range(g.shape[0])]).to(g.dtype)
+        return grad, None, None, None
 
 
 def one_hot_logits(n: int, idx: int, scale: float = 30.0) -> torch.Tensor:
@@ -36,10 +62,11 @@ class Supernet(nn.Module):
     Args:
         model: the teacher (its MLP channels already ranked; see space.permute_mlp_).
         space: the search space.
+        bank: the quantized weights (nas/qbank.py); default: RTN of `model` (tests).
         learn: which logit groups are trained ({"keep", "width", "bits"}); others stay as initialised.
     """
 
-    def __init__(self, model, space: SearchSpace, learn: set[str] | None = None) -> None:
+    def __init__(self, model, space: SearchSpace, bank: QuantBank | None = None, learn: set[str] | None = None) -> None:
         super().__init__()
         L, nl, nb, K = space.n_layers, len(space.linears), len(space.bits), len(space.widths)
         self.space, self.learn = space, set(learn or {"keep", "width", "bits"})
@@ -48,7 +75,7 @@ class Supernet(nn.Module):
         self.bits = nn.Parameter(torch.zeros(L, nl, nb))
         self._model = [model]  # not a submodule: its weights are not ours
         self._handles: list = []
-        self._qweights: dict[tuple[int, int], torch.Tensor] = {}
+        self.bank = bank if bank is not None else build_bank(model, space, "rtn", progress=False)
         self._sample: dict[str, torch.Tensor] | None = None
         self.active = False
         self._prepare()
@@ -56,15 +83,7 @@ class Supernet(nn.Module):
     # ---- setup -------------------------------------------------------------------------------------
 
     def _prepare(self) -> None:
-        from llmcompress.progress import track
-
-        model, s = self._model[0], self.space
-        layers = get_adapter(model).decoder_layers(model)
-        for i in track(range(s.n_layers), "preparing supernet (fake-quant weights)", total=s.n_layers):
-            mods = dict(layers[i].named_modules())
-            for j, name in enumerate(s.linears):
-                W = mods[name].weight.detach()
-                self._qweights[(i, j)] = torch.stack([quantize_dequantize(W, b, s.group_size) for b in s.bits])
+        s = self.space
         widths = torch.tensor(s.widths)
         self.register_buffer("masks", (torch.arange(s.intermediate)[None, :] < widths[:, None]).float(), persistent=False)
 
@@ -122,7 +141,7 @@ class Supernet(nn.Module):
             if not self.active:
                 return F.linear(x, lin.weight, lin.bias)
             g = self._sample["bits"][i, j]  # (nb,)
-            W = torch.einsum("b,boi->oi", g, self._qweights[(i, j)])
+            W = _Mix.apply(g, self.bank, i, j)
             return linear(lin, x, W, lin.bias)
 
         return forward
