@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from llmcompress.cli import app
@@ -74,7 +75,7 @@ def test_collapse_forwards_its_options(engine, tiny_hf_dir, tmp_path):
         "calib_source": "notes.txt", "eval_tokens": 0, "max_cache_gb": 0.5,
     }
     assert type(call.cfg.method) is str  # the config holds the value, not the CLI's Enum member
-    assert call.out == tmp_path / "o" and call.kwargs == {"overwrite": True, "resume": False, "device": "cpu"}
+    assert call.out == tmp_path / "o" and call.kwargs == {"overwrite": True, "resume": False, "device": "cpu", "dtype": torch.float32}
 
 
 def test_collapse_spec_supplies_what_the_command_line_does_not_give(engine, tiny_hf_dir, tmp_path):
@@ -92,14 +93,14 @@ def test_nas_forwards_its_options(engine, tiny_hf_dir, tmp_path):
 
     calls = _nas(engine)
     invoke("nas", tiny_hf_dir, "--target-bits", 4, "--cost-model", "lut", "--quant", "rtn", "--mode", "sequential",
-           "--bits", "4,8", "--baselines", "", "--export", "gguf", "--train-tokens", 2048, "--out", tmp_path / "o", "--resume")
+           "--bits", "4,8", "--baselines", "", "--export", "gguf", "--train-tokens", 2048, "--out", tmp_path / "o", "--resume", "--device", "cpu")
     (call,) = calls
     assert changed(call.cfg, NasConfig()) == {
         "model": str(tiny_hf_dir), "target_bits": 4.0, "cost_model": "lut", "quant_method": "rtn", "mode": "sequential",
         "bits": [4, 8], "baselines": [], "export": ["gguf"], "train_tokens": 2048,
     }
     assert {type(call.cfg.cost_model), type(call.cfg.quant_method), type(call.cfg.mode)} == {str}
-    assert call.kwargs == {"overwrite": False, "resume": True}
+    assert call.kwargs == {"overwrite": False, "resume": True, "device": "cpu", "dtype": torch.float32}
 
 
 def test_nas_spec_and_flags_combine(engine, tiny_hf_dir, tmp_path):
