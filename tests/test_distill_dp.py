@@ -91,7 +91,8 @@ def test_e2e_steps_phase_with_edgc_and_resume(tiny_hf_dir, data_file, tmp_path):
     state = json.loads((out / "work" / "state.json").read_text())
     state["e2e_done"] = False
     (out / "work" / "state.json").write_text(json.dumps(state))
-    (out / "work" / "e2e.pt").unlink()
+    for f in (out / "work").glob("e2e.*"):  # e2e.json + e2e.safetensors (io/rundir.py state)
+        f.unlink()
     import shutil
 
     shutil.rmtree(out / "student")
