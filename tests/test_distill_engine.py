@@ -65,7 +65,7 @@ def test_layerwise_trains_writes_outputs_and_reuses_cache(tiny_hf_dir, data_file
     manifest = json.loads((out / "student" / "llmcompress.json").read_text())
     assert manifest["layer_map"] == [{"sources": [0]}, {"sources": [3]}]
     assert "peak resident memory" in (out / "report.md").read_text()
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "report.md", "student", "train_log.jsonl"]  # work/ removed
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "report.json", "report.md", "student", "train_log.jsonl"]  # work/ removed
     # saved in the teacher's source dtype (the tiny teacher is a float32 HF dir), bytes on disk reported
     assert manifest["dtype"] == "float32" and res.metrics["student_dtype"] == "float32"
     assert res.metrics["student_bytes_on_disk"] == (out / "student" / "model.safetensors").stat().st_size

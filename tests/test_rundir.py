@@ -21,7 +21,7 @@ def test_fingerprint_ignores_skipped_keys_and_key_order_and_keeps_the_old_hashes
     from llmcompress.collapse.config import CollapseConfig
     from llmcompress.nas.config import NasConfig
 
-    for cfg, skip in [(CollapseConfig(pareto=True), {"save", "eval_tokens", "eval_seq_len", "piqa_limit", "max_cache_gb", "generations", "save_dtype"}),
+    for cfg, skip in [(CollapseConfig(pareto=True), {"save", "eval_tokens", "eval_seq_len", "piqa_limit", "max_cache_gb", "generations", "save_dtype", "prefix_cache_gb", "racing"}),
                       (NasConfig(target_bits=4.0), {"eval_tokens", "eval_seq_len", "measure_speed", "checkpoint_every", "baselines", "export", "save_dtype"})]:
         d = {k: v for k, v in cfg.to_dict().items() if k not in skip}
         assert cfg.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
