@@ -99,17 +99,7 @@ def write_compressed_tensors(model, tokenizer, out: Path, *, qweights: dict[str,
     qcfg = quantization_config(qweights, model)
     with atomic_dir(Path(out), overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = model.config.to_dict()
-        config["dtype"] = float_dtype
-        config["architectures"] = [type(model).__name__]
-        config.pop("torch_dtype", None)
-        config["quantization_config"] = qcfg
-        write_json(tmp / "config.json", config)
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            gen.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        _write_config(tmp, model, tokenizer, float_dtype, qcfg)
         nbytes = (tmp / "model.safetensors").stat().st_size
         manifest = {"format": "compressed-tensors/pack-quantized", "bytes_on_disk": nbytes,
                     "parameters": sum(p.numel() for p in model.parameters()), **(manifest_extra or {})}
@@ -204,20 +194,27 @@ def write_compressed_tensors_streamed(runner, tokenizer, out: Path, *, plan, qua
         weight_map.update({k: shard[n] for k in rest})
         nbytes += (tmp / shard[n]).stat().st_size
         write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": nbytes}, "weight_map": weight_map})
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        config["dtype"] = float_dtype
-        config["architectures"] = [type(model).__name__]
-        config.pop("torch_dtype", None)
-        config["quantization_config"] = quantization_config(meta, model)
-        write_json(tmp / "config.json", config)
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            gen.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        _write_config(tmp, model, tokenizer, float_dtype, quantization_config(meta, model))
         manifest = {"format": "compressed-tensors/pack-quantized", "bytes_on_disk": nbytes, "parameters": params,
                     "streamed": True, **(manifest_extra or {})}
         write_json(tmp / "llmcompress.json", manifest)
         tmp.chmod(0o755)
     return {"path": str(out), "bytes": nbytes, "quantized": len(meta), "float_dtype": float_dtype, "streamed": True}
+
+
+def _write_config(tmp: Path, model, tokenizer, float_dtype: str, qcfg: dict) -> None:
+    """config.json with the `quantization_config` transformers and vLLM read, the generation config and the
+    tokenizer: the same for the in-memory and the streamed writer."""
+    from llmcompress.io.atomic import write_json
+
+    config = model.config.to_dict()
+    config["dtype"] = float_dtype
+    config["architectures"] = [type(model).__name__]
+    config.pop("torch_dtype", None)
+    config["quantization_config"] = qcfg
+    write_json(tmp / "config.json", config)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
