@@ -211,14 +211,15 @@ _PROBE = textwrap.dedent("""
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS read from Linux /proc")
 def test_streamed_peak_memory_is_a_few_layers(tiny_hf_dir, tmp_path):
-    """A 6-layer model of 10.5 MiB layers (fp32, 63 MiB of decoder weights): perplexity in memory grows the
-    process by at least the whole model; streamed by at most a few layers. Each arm in its own process."""
+    """A 12-layer model of 10.5 MiB layers (fp32, 126 MiB of decoder weights): perplexity in memory grows the
+    process by at least the whole model; streamed by at most a few layers (6: one layer, its reading buffers
+    and allocator slack, which varies with the machine's load). Each arm in its own process."""
     import transformers
 
     from llmcompress.io.stream import checkpoint_bytes_at
 
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                                   num_key_value_heads=8, num_hidden_layers=6, max_position_embeddings=64)
+                                   num_key_value_heads=8, num_hidden_layers=12, max_position_embeddings=64)
     torch.manual_seed(0)
     path = tmp_path / "wide"
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
@@ -237,7 +238,7 @@ def test_streamed_peak_memory_is_a_few_layers(tiny_hf_dir, tmp_path):
     mem, streamed = probe("memory"), probe("stream")
     assert streamed["nll"] == pytest.approx(mem["nll"], rel=1e-6)
     assert mem["delta"] > 0.9 * total  # the in-memory arm holds every layer
-    assert streamed["delta"] < 4 * layer, (streamed["delta"] / layer, total / layer)
+    assert streamed["delta"] < min(6 * layer, 0.5 * total), (streamed["delta"] / layer, total / layer)
 
 
 def _read_all(folder):
