@@ -383,7 +383,7 @@ class Evaluator:
         entering those groups ({g: state})."""
         import torch
 
-        from llmcompress.io.forward import _first
+        from llmcompress.io.forward import first_output
 
         h0 = ref.states.get(cand.groups[g_start][0], rows) if state is None else state[rows].to(ref.states.device)
         layers = [self.built_layer(cand, g) for g in range(g_start, len(cand.groups))]
@@ -392,7 +392,7 @@ class Evaluator:
         hooks = []
         for g in keep or []:
             def grab(module, args, out, g=g):
-                grabbed[g] = _first(out).detach()
+                grabbed[g] = first_output(out).detach()
             hooks.append(layers[g - 1 - g_start].register_forward_hook(grab))
         try:
             with torch.no_grad(), self._autocast(h0.device):

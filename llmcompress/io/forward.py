@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
 
-def _first(output):
+def first_output(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
@@ -64,7 +64,7 @@ def boundary_states(model: nn.Module, input_ids: torch.Tensor) -> tuple[list[tor
     layers = adapter.decoder_layers(model)
     states: list[torch.Tensor] = []
     hooks = [layers[0].register_forward_pre_hook(lambda m, args, kw: states.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)]
-    hooks += [layer.register_forward_hook(lambda m, a, out: states.append(_first(out))) for layer in layers]
+    hooks += [layer.register_forward_hook(lambda m, a, out: states.append(first_output(out))) for layer in layers]
     try:
         with torch.no_grad():
             logits = model(input_ids=input_ids, use_cache=False).logits

@@ -275,7 +275,7 @@ def _refuse_pickle_only(path: Path, allow_pickle: bool | None) -> None:
         )
 
 
-def _check_model_dir(path: Path, allow_pickle: bool | None = None) -> None:
+def check_model_dir(path: Path, allow_pickle: bool | None = None) -> None:
     if not (path / "config.json").is_file():
         raise ModelNotFound(
             f"{path} is not a model directory (no config.json)",
@@ -322,7 +322,7 @@ def resolve(spec: str, allow_pickle: bool | None = None) -> tuple[str, Path | st
         if (path / "packed.json").is_file():  # the old nas packed/ format: refused, never loaded as a wrong model
             raise UserError(f"{path} is an old llmcompress packed checkpoint, which is no longer supported",
                             "re-run nas with --export gguf or --export compressed-tensors")
-        _check_model_dir(path, allow_pickle)
+        check_model_dir(path, allow_pickle)
         return "dir", path
     if _looks_like_hub_id(spec):
         return "hub", spec

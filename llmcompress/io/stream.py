@@ -176,11 +176,11 @@ class LayerRunner:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from llmcompress.io.load import _check_model_dir, quiet_transformers
+        from llmcompress.io.load import check_model_dir, quiet_transformers
 
         quiet_transformers()
         path = Path(path)
-        _check_model_dir(path)
+        check_model_dir(path)
         dtype = dtype or torch.float32
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         with init_empty_weights():
