@@ -224,7 +224,7 @@ def default_main(args) -> None:
     dense = ppl(lm.model)
     rows = []
     for n in args.budgets:
-        for method in ("drop-search", "gelaco"):
+        for method in args.methods:
             cfg = CollapseConfig(pareto=False, target_layers=n, method=method, save=str(n), eval_tokens=0, piqa_limit=0)
             with tempfile.TemporaryDirectory() as d:
                 t0 = time.perf_counter()
@@ -271,6 +271,8 @@ def main() -> None:
     ap.add_argument("--speed-out", type=Path, default=Path("bench/RESULTS-collapse-speed.md"))
     ap.add_argument("--default-command", action="store_true", help="run the default command at --budgets (bench/RESULTS-collapse-default.md)")
     ap.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    ap.add_argument("--methods", nargs="+", default=["drop-search", "gelaco"], choices=["drop-search", "gelaco"],
+                    help="--default-command: the searches to run (ShortGPT comes with gelaco's baselines)")
     ap.add_argument("--default-out", type=Path, default=Path("bench/RESULTS-collapse-default.md"))
     args = ap.parse_args()
     if args.default_command:
