@@ -169,6 +169,16 @@ def ood_metrics(model, teacher, blocks, batch=4):
     return math.exp(nll / (n - blocks.shape[0])), kl / n
 
 
+MD_HEADER = """# llmcompress nas benchmark results (`bench/bench_nas.py`)
+
+Written by the bench after each run: means over the seeds present in the results file. The settings of
+each run (seeds, targets, quantizer, tokens) and the goals met or missed are in BENCHMARKS.md ("Joint NAS
++ mixed precision"). The runs of 2026-12-02 that this file held before (4-bit target, `packed/` sizes,
+"joint vs sequential" at 0.6 latency) are withdrawn: see BENCHMARKS.md for why.
+
+"""
+
+
 def summarize(results: list[dict]) -> str:
     """Markdown table of a results file: one row per (target, method), mean over seeds (and the seed count)."""
     from statistics import mean
@@ -351,7 +361,9 @@ def main() -> None:
                 a.results.write_text(json.dumps(results, indent=1))
                 del derived
         del net, bank, model
-    print(f"wrote {a.results}")
+    md = a.results.with_suffix(".md")
+    md.write_text(MD_HEADER + f"Raw rows: `{a.results.name}`.\n\n" + summarize(results) + "\n")
+    print(f"wrote {a.results} and {md}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Validated refinement of the derived architecture: a (1+1) local search on the measured KL.
 
 The gradient search and the sensitivity proxy only estimate what a discrete plan costs in quality (the
-proxy adds per-layer errors that compound in reality; see bench/RESULTS-nas.md). The last step of a
+proxy adds per-layer errors that compound in reality). The last step of a
 search therefore measures it, on calibration blocks the search never trained on:
 
 1. every start candidate (the search's derived architecture and, for `joint`, the uniform plan when it
