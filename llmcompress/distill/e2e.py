@@ -33,7 +33,7 @@ def train_e2e(run: Run, teacher, keep: list[int] | None, blocks):
     """Train the student for ceil(train_tokens / tokens_per_step) steps of full-logit KL; returns it."""
     import torch
 
-    from llmcompress.distill.run import eval_ppl
+    from llmcompress.distill.run import BEFORE_PPL, eval_ppl
 
     cfg = run.cfg
     student = build_student(run, teacher, keep)
@@ -41,7 +41,7 @@ def train_e2e(run: Run, teacher, keep: list[int] | None, blocks):
     teacher.requires_grad_(False)
     if run.dist.is_main and cfg.eval_tokens > 0:
         t_eval = time.perf_counter()
-        run.state["student_ppl_before"] = eval_ppl(student, run.tokenizer, cfg)
+        run.state[BEFORE_PPL] = eval_ppl(student, run.tokenizer, cfg)
         run.state["eval_before_s"] = round(time.perf_counter() - t_eval, 2)
     from llmcompress.io.adapters import get_adapter
 
