@@ -11,7 +11,7 @@ from llmcompress.nas.config import NasConfig
 
 log = logging.getLogger("llmcompress")
 
-STALE = ("search_log.jsonl", "lut.json", "search_state_*.pt", "refine_*.json")  # removed by --overwrite (io/rundir.py)
+STALE = ("search_log.jsonl", "lut.json", "search_state_*.json", "search_state_*.safetensors", "search_state_*.pt", "refine_*.json")  # removed by --overwrite (io/rundir.py)
 
 
 @dataclass
