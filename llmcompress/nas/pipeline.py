@@ -21,7 +21,7 @@ class NasRun:
     rows: list[dict] = field(default_factory=list)
 
 
-def _blocks(tokenizer, cfg: NasConfig):
+def search_blocks(tokenizer, cfg: NasConfig):
     """The search's calibration blocks, and disjoint held-out blocks for the refinement (None when the
     data holds no more)."""
     from llmcompress.data import calibration_blocks
@@ -105,7 +105,7 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
     sym8 = "gguf" in cfg.export
     costs = _cost_models(teacher, space, cfg, out, resume)
     S.check_reachable(costs, cfg)
-    blocks, held_out = _blocks(tok, cfg)  # bad data fails here, before anything is written to --out
+    blocks, held_out = search_blocks(tok, cfg)  # bad data fails here, before anything is written to --out
     blocks, held_out = blocks.to(dev), (held_out.to(dev) if held_out is not None else None)
     if costs.lut is not None:
         write_json(out / "lut.json", costs.lut)
