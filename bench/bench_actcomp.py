@@ -134,10 +134,10 @@ def quality(args) -> dict:
         m = json.loads((out / "metrics.json").read_text())
         lm = load_model(str(out / "student"), dtype=torch.float32)
         shakes = perplexity(lm.model, lm.tokenizer, "tinyshakespeare", seq_len=512, max_tokens=args.eval_tokens)["ppl"]
-        res[key] = {"command": " ".join(cmd[2:]), "wall_s": round(time.perf_counter() - t0, 1), "wikitext2_ppl": m.get("student_ppl"),
-                    "wikitext2_ppl_before": m.get("student_ppl_before"), "tinyshakespeare_ppl": shakes,
+        res[key] = {"command": " ".join(cmd[2:]), "wall_s": round(time.perf_counter() - t0, 1), "wikitext2_ppl": m.get("ppl/wikitext2"),
+                    "wikitext2_ppl_before": m.get("student_before/ppl/wikitext2"), "tinyshakespeare_ppl": shakes,
                     "peak_rss_mib": m.get("peak_rss_mb"), "train_wall_s": m.get("train_wall_s"), "activations": m.get("activations")}
-        print(f"  {key}: wikitext2 {m.get('student_ppl'):.2f}, tinyshakespeare {shakes:.2f}, peak RSS {m.get('peak_rss_mb'):.0f} MiB", flush=True)
+        print(f"  {key}: wikitext2 {m.get('ppl/wikitext2'):.2f}, tinyshakespeare {shakes:.2f}, peak RSS {m.get('peak_rss_mb'):.0f} MiB", flush=True)
     return res
 
 

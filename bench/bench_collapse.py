@@ -49,8 +49,7 @@ def speed_main(args) -> None:
 
     from llmcompress.collapse import baselines as B
     from llmcompress.collapse.config import CollapseConfig, native_bf16_cpu, resolve_fitness_dtype
-    from llmcompress.collapse.fitness import Evaluator, PrefixStates
-    from llmcompress.collapse.pipeline import prepare
+    from llmcompress.collapse.fitness import Evaluator, PrefixStates, prepare
     from llmcompress.collapse.refine import swap_neighbours
     from llmcompress.collapse.search import make_space, run_search
     from llmcompress.io.load import load_model
@@ -294,7 +293,7 @@ def main() -> None:
     from llmcompress.collapse import baselines as B
     from llmcompress.collapse.config import CollapseConfig
     from llmcompress.collapse.export import build_model
-    from llmcompress.collapse.pipeline import prepare
+    from llmcompress.collapse.fitness import prepare
     from llmcompress.collapse.refine import refine
     from llmcompress.collapse.search import make_space, run_search, select_by_validation
     from llmcompress.collapse.tune import tune

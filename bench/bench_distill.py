@@ -338,7 +338,7 @@ def _import_runs(specs: list[str]) -> None:
             if got != want:
                 raise SystemExit(f"{out}: {what} {got} differs from the curve's {want}")
         res.setdefault("bi22_series", {}).setdefault(label, {})[str(m["train_tokens"])] = {
-            "ppl": m["student_ppl"], "ppl_before": m["student_ppl_before"], "train_wall_s": m["train_wall_s"],
+            "ppl": m["ppl/wikitext2"], "ppl_before": m["student_before/ppl/wikitext2"], "train_wall_s": m["train_wall_s"],
             "peak_rss_mb": m["peak_rss_mb"], "mode": m["mode"], "lr": cfg["lr"], "ce_weight": cfg.get("ce_weight", 0.0),
             "imported": time.strftime("%Y-%m-%d %H:%M UTC"), "data": m["data"], "unique_tokens": m.get("unique_tokens"),
             "keep": keep,  # Block Influence measured on other text keeps other layers

@@ -237,7 +237,7 @@ def main() -> None:
     from llmcompress.nas import search as S
     from llmcompress.nas.config import NasConfig
     from llmcompress.nas.cost import build_cost_models
-    from llmcompress.nas.pipeline import _blocks
+    from llmcompress.nas.pipeline import search_blocks
     from llmcompress.nas.qbank import QuantBank
     from llmcompress.nas.refine import arch_kl
     from llmcompress.nas.sensitivity import reference_logp
@@ -265,7 +265,7 @@ def main() -> None:
         model = load_model("smollm2-135m").model
         space = build_space(model, base)
         costs = build_cost_models(model, space, "analytic", base.context_len)
-        blocks, held = _blocks(tok, base)
+        blocks, held = search_blocks(tok, base)
         permute_mlp_(model, [i.argsort(descending=True, stable=True) for i in mlp_channel_importance(model, blocks[:8])])
         t0 = time.time()
         bpath = a.work / f"bank_{a.quant}{a.gptq_blocks if a.quant == 'gptq' else ''}_s{seed}_tt{a.train_tokens}_{'-'.join(map(str, bits))}.pt"

@@ -73,7 +73,7 @@ def main() -> None:
     from llmcompress.eval.perplexity import perplexity
     from llmcompress.io.load import load_model
     from llmcompress.nas.config import NasConfig
-    from llmcompress.nas.pipeline import _blocks
+    from llmcompress.nas.pipeline import search_blocks
     from llmcompress.nas.sensitivity import mean_kl, reference_logp
     from llmcompress.nas.space import build_space
     from llmcompress.quant.apply import QuantizedWeight
@@ -86,7 +86,7 @@ def main() -> None:
     lm = load_model(cfg.model)
     model, tok = lm.model, lm.tokenizer
     space = build_space(model, cfg)
-    blocks, held = _blocks(tok, cfg)
+    blocks, held = search_blocks(tok, cfg)
     t0 = time.time()
     fqns = [space.fqn(i, n) for i in range(space.n_layers) for n in space.linears]
     mods = dict(model.named_modules())

@@ -31,8 +31,8 @@ def main() -> None:
     )
     result = distill(cfg, a.out, overwrite=True)
     m = result.metrics
-    print(f"student {result.student_dir}: {m['student_layers']} layers, perplexity {m['student_ppl_before']:.1f} -> {m['student_ppl']:.1f} "
-          f"(teacher {m['teacher_ppl']:.1f}); {m['train_wall_s']:.0f}s, peak {m['peak_rss_mb']:.0f} MiB")
+    print(f"student {result.student_dir}: {m['student_layers']} layers, perplexity {m['student_before/ppl/wikitext2']:.1f} -> {m['ppl/wikitext2']:.1f} "
+          f"(teacher {m['teacher/ppl/wikitext2']:.1f}); {m['train_wall_s']:.0f}s, peak {m['peak_rss_mb']:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -47,8 +47,8 @@ def test_no_corpus_measures_held_out_self_text(tiny_hf_dir, tmp_path, monkeypatc
     assert len(rows) >= 3 and all(re.fullmatch(r"\d+\.\d\d", c) for c in ppl_cells(rows)), rows
     assert "PIQA: not measured (dataset missing" in report and "DataError" not in report
     chosen = [r for r in front["front"] if "checkpoint" in r]
-    assert chosen and all(r["ppl_self"] > 1 for r in chosen + front["baselines"])
-    assert all("ppl_wikitext2" not in r for r in front["baselines"])
+    assert chosen and all(r["ppl/self"] > 1 for r in chosen + front["baselines"])
+    assert all("ppl/wikitext2" not in r for r in front["baselines"])
 
 
 def test_with_wikitext_its_perplexity_is_used(tiny_hf_dir, tmp_path, monkeypatch, capsys):
@@ -60,7 +60,7 @@ def test_with_wikitext_its_perplexity_is_used(tiny_hf_dir, tmp_path, monkeypatch
     assert "| WikiText-2 ppl |" in report and "held-out self" not in report
     assert "WikiText-2 raw test, first 96 tokens, non-overlapping windows of 32 tokens (stride 32)" in report
     chosen = [r for r in front["front"] if "checkpoint" in r]
-    assert chosen and all(r["ppl_wikitext2"] > 1 and "ppl_self" not in r for r in chosen)
+    assert chosen and all(r["ppl/wikitext2"] > 1 and "ppl/self" not in r for r in chosen)
 
 
 def test_self_validation_blocks_are_other_samples_than_calibration(tiny_hf_dir, tmp_path, monkeypatch):

@@ -225,7 +225,7 @@ def interrupt_then_resume(monkeypatch, cfg, out, loss_fn: str, at_call: int) -> 
 def test_e2e_baseline_mode_and_its_resume(tiny_hf_dir, data_file, tmp_path, monkeypatch):
     cfg = make_cfg(tiny_hf_dir, data_file, tmp_path, mode="e2e", eval_tokens=512, eval_seq_len=128)
     res = distill(cfg, tmp_path / "out")
-    assert res.metrics["student_ppl_before"] > 1 and res.metrics["student_ppl"] > 1
+    assert res.metrics["student_before/ppl/wikitext2"] > 1 and res.metrics["ppl/wikitext2"] > 1
     losses = [r["loss"] for r in read_log(tmp_path / "out") if r["phase"] == "e2e"]
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < losses[0]
     assert res.metrics["student_layers"] == 2 and (tmp_path / "out" / "student" / "llmcompress.json").is_file()
@@ -266,7 +266,7 @@ def test_student_checkpoint_with_layer_map(tiny_hf_dir, data_file, tmp_path):
     res = distill(cfg, tmp_path / "out")
     assert [(s.teacher_start, s.teacher_end) for s in res.segments] == [(0, 4)]
     m = res.metrics
-    assert all(isinstance(m[k], float) and m[k] > 1 for k in ("teacher_ppl", "student_ppl_before", "student_ppl"))
+    assert all(isinstance(m[k], float) and m[k] > 1 for k in ("teacher/ppl/wikitext2", "student_before/ppl/wikitext2", "ppl/wikitext2"))
     assert "student perplexity after" in (tmp_path / "out" / "report.md").read_text()
     assert json.loads((tmp_path / "out" / "student" / "llmcompress.json").read_text())["layer_map"] == layer_map
 

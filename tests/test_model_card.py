@@ -16,12 +16,12 @@ def save(tiny_llama, out, **kw):
 def test_card_of_a_collapsed_alias_model(tiny_llama, tmp_path):
     config = {"method": "gelaco", "population": 8, "alpha_grid": [0.0, 1.0]}
     out = save(tiny_llama, tmp_path / "gelaco-22L", source="smollm2-135m", method="collapse/gelaco", config=config,
-               metrics={"kl_val": 0.1234, "ppl_wikitext2": 31.5})
+               metrics={"kl_val": 0.1234, "ppl/wikitext2": 31.5})
     card = ModelCard.load(out / "README.md")
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert card.data.base_model_relation == "finetune" and "pruned" in card.data.tags
     assert card.data.license == "apache-2.0" and card.data.library_name == "transformers"
-    assert "| kl_val | 0.1234 |" in card.text and "| ppl_wikitext2 | 31.5 |" in card.text
+    assert "| kl_val | 0.1234 |" in card.text and "| ppl/wikitext2 | 31.5 |" in card.text
     assert "collapse/gelaco" in card.text and "Python API" in card.text  # made in-process: no command line
     assert yaml.safe_load((out / "recipe.yaml").read_text()) == config
 

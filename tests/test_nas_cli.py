@@ -68,12 +68,12 @@ def test_tiny_end_to_end(tiny_hf_dir, tmp_path):
     # what was searched is what was shipped: the exported hf/ model's KL to the teacher on the validated
     # step's held-out blocks is the KL that step measured for the plan it chose (GPTQ weights in both)
     from llmcompress.nas.config import config_from_dict, load_spec
-    from llmcompress.nas.pipeline import _blocks
+    from llmcompress.nas.pipeline import search_blocks
     from llmcompress.nas.sensitivity import mean_kl, reference_logp
 
     cfg = config_from_dict({"target_latency": 0.7, "target_bits": 4.0, "train_tokens": 128}, load_spec(spec))
     teacher = load_model(str(tiny_hf_dir))
-    _, held_out = _blocks(teacher.tokenizer, cfg)
+    _, held_out = search_blocks(teacher.tokenizer, cfg)
     hf = load_model(str(out / "hf"))
     shipped_kl = mean_kl(hf.model, held_out, reference_logp(teacher.model, held_out))
     assert shipped_kl == pytest.approx(refine["final_kl"], rel=1e-3)

@@ -177,6 +177,7 @@ def test_resume_uses_the_checkpoint(tmp_path, monkeypatch):
     missing steps, and really starts from the saved state: a tampered checkpoint changes the result."""
     import dataclasses
 
+    from llmcompress.io.rundir import load_state, save_state
     from llmcompress.nas import search as S
 
     model, cfg, space = _setup(target_bits=4.0)
@@ -191,7 +192,7 @@ def test_resume_uses_the_checkpoint(tmp_path, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             search_joint(model, space, costs, cfg, IDS, tmp_path / d, False)
         monkeypatch.setattr(S, "append_jsonl", real)
-        assert torch.load(tmp_path / d / "search_state_joint.pt", weights_only=True)["step"] == 2
+        assert load_state(tmp_path / d / "search_state_joint.json")["step"] == 2
 
     interrupted("b")
     resumed = search_joint(model, space, costs, cfg, IDS, tmp_path / "b", True)
@@ -201,10 +202,10 @@ def test_resume_uses_the_checkpoint(tmp_path, monkeypatch):
     assert steps == [1, 2, 3, 4]  # steps 1-2 before the interruption, only 3-4 after it
     # the same interruption, but the saved logits altered: the resumed run must carry the change
     interrupted("c")
-    path = tmp_path / "c" / "search_state_joint.pt"
-    st = torch.load(path, weights_only=True)
+    path = tmp_path / "c" / "search_state_joint.json"
+    st = load_state(path)
     st["net"]["bits"][0, 0, 0] += 50.0
-    torch.save(st, path)
+    save_state(path, st)
     tampered = search_joint(model, space, costs, cfg, IDS, tmp_path / "c", True)
     shift = float(tampered.logits["bits"][0, 0, 0] - full.logits["bits"][0, 0, 0])
     assert 45 < shift < 55  # two more Adam steps of lr 0.5 cannot undo (or fake) a shift of 50

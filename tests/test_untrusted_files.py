@@ -83,9 +83,24 @@ def test_nas_resume_reads_tensors_only(tmp_path):
     model, cfg, space, costs = tiny_nas_setup(ids)
     marker = tmp_path / "pwned"
     torch.save({"fingerprint": cfg.fingerprint(), "net": Payload(marker)}, tmp_path / "search_state_joint.pt")
+    with pytest.raises(UserError, match="search state of an older llmcompress"):  # a .pt state is never read
+        search_joint(model, space, costs, cfg, ids, tmp_path, True)
+    (tmp_path / "search_state_joint.json").write_bytes(pickle.dumps({"fingerprint": cfg.fingerprint(), "net": Payload(marker)}))
     with pytest.raises(UserError, match="cannot read the search state"):
         search_joint(model, space, costs, cfg, ids, tmp_path, True)
     assert not marker.exists()
+
+
+def test_nas_resume_of_an_old_pt_state_is_one_line(tmp_path, tiny_hf_dir):
+    """`nas --resume` on a run directory of an older llmcompress (`.pt` state): one line, exit 2, --overwrite named."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "search_state_joint.pt").write_bytes(b"old")
+    spec = tmp_path / "s.yaml"
+    spec.write_text("seq_len: 32\nbatch_size: 2\ncontext_len: 32\nrefine_evals: 0\nquant_method: rtn\n")
+    one_line_error(cli("nas", tiny_hf_dir, "--spec", spec, "--target-bits", "4", "--train-tokens", "128", "--eval-tokens", "0",
+                       "--baselines", "", "--resume", "--out", out), "start the search afresh with --overwrite")
+    assert not (out / "arch.json").exists() and not (out / "hf").exists()
 
 
 @pytest.fixture

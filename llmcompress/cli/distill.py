@@ -128,6 +128,8 @@ def distill_command(
     note_output(out)
     from llmcompress.distill.dist import from_env, shutdown
     from llmcompress.distill.engine import distill
+    from llmcompress.distill.run import BEFORE_PPL, TEACHER_PPL
+    from llmcompress.eval.report import WIKITEXT2_PPL
     info = from_env(dev.type)
     try:
         result = distill(cfg, out, device=str(dev), overwrite=overwrite, resume=resume, dist=info, keep_work=keep_work)
@@ -136,8 +138,8 @@ def distill_command(
     if info.is_main:
         m = result.metrics
         typer.echo(f"student: {result.student_dir}  ({m.get('student_layers')} layers, {m.get('student_parameters'):,} parameters)")
-        if m.get("student_ppl") is not None:
-            typer.echo(f"perplexity: teacher {m.get('teacher_ppl'):.2f}, student before {m.get('student_ppl_before'):.2f}, after {m['student_ppl']:.2f}")
+        if m.get(WIKITEXT2_PPL) is not None:
+            typer.echo(f"perplexity: teacher {m.get(TEACHER_PPL):.2f}, student before {m.get(BEFORE_PPL):.2f}, after {m[WIKITEXT2_PPL]:.2f}")
         typer.echo(f"training wall time {m['train_wall_s']:.1f}s, peak memory {m['peak_rss_mb']:.0f} MiB; report: {out / 'report.md'}")
         if push_to_hub:
             typer.echo(f"pushed {result.student_dir} to {push_to_hub}: {push(result.student_dir, push_to_hub)}")

@@ -73,7 +73,7 @@ def measure(lm, cfg, n_cands: int = 3) -> float:
     """Seconds per candidate-block on this machine: a few drop candidates timed on two calibration blocks."""
     import dataclasses
 
-    from llmcompress.collapse.pipeline import prepare
+    from llmcompress.collapse.fitness import prepare
     from llmcompress.collapse.space import Candidate
 
     small = dataclasses.replace(cfg, calib_tokens=2 * cfg.seq_len, val_tokens=cfg.seq_len, prefix_cache_gb=0.0)

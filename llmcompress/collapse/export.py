@@ -8,10 +8,13 @@ from pathlib import Path
 
 from llmcompress.collapse.operator import collapse_group
 from llmcompress.collapse.space import Candidate
+from llmcompress.eval.report import NOTES, PIQA_ACC, SELF_PPL, WIKITEXT2_PPL
 from llmcompress.io.adapters import get_adapter
 from llmcompress.io.atomic import atomic_path, write_json, write_text
 from llmcompress.io.surgery import replace_layers, shared_copy
 from llmcompress.table import fmt, markdown_table
+
+QUALITY = (WIKITEXT2_PPL, SELF_PPL, PIQA_ACC)  # the quality keys of a row (eval/report.py's vocabulary)
 
 
 def build_model(model, cand: Candidate):
@@ -85,7 +88,7 @@ def write_front(out_dir: Path, records: list[dict], baselines: list[dict], meta:
     """pareto.json (front + baselines + metadata) and pareto.csv."""
     write_json(out_dir / "pareto.json", {**meta, "front": records, "baselines": baselines})
     buf = io.StringIO()
-    cols = ["name", "layers", "params", "kl_calib", "kl_val", "sim_calib", "fitness_calib", "fitness_val", "ppl_wikitext2", "ppl_self", "piqa_acc", "changes"]
+    cols = ["name", "layers", "params", "kl_calib", "kl_val", "sim_calib", "fitness_calib", "fitness_val", *QUALITY, "changes"]
     w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
     w.writeheader()
     for r in records + baselines:
@@ -127,7 +130,7 @@ def save_solution(model, tokenizer, cand: Candidate, record: dict, out: Path, *,
     from llmcompress.io.checkpoint import build_manifest, save_checkpoint
 
     new = build_model(model, cand)
-    metrics = {k: record.get(k) for k in ("kl_calib", "kl_val", "sim_calib", "ppl_wikitext2", "ppl_self", "piqa_acc") if record.get(k) is not None}
+    metrics = {k: record.get(k) for k in ("kl_calib", "kl_val", "sim_calib", *QUALITY) if record.get(k) is not None}
     manifest = build_manifest(
         source=source,
         source_hash=source_hash,
@@ -160,16 +163,13 @@ def held_out_self_blocks(model, tokenizer, *, eval_tokens: int, seq_len: int, se
 
 
 def quality(model, tokenizer, *, eval_tokens: int, seq_len: int, piqa_limit: int, ppl_blocks=None) -> dict:
-    """WikiText-2 test perplexity (or, given `ppl_blocks`, perplexity on those held-out self-text blocks:
-    `ppl_self`) and PIQA accuracy (each skipped when its budget is 0).
-
-    A measure that cannot run because its data or lm-eval is unavailable becomes a note with its cause
-    (`ppl_error`/`piqa_error`, listed under the report's Notes and said once on stderr), so the report
-    keeps the search; any other error (a bug) propagates.
+    """WikiText-2 test perplexity `ppl/wikitext2` (or, given `ppl_blocks`, perplexity on those held-out self-text
+    blocks: `ppl/self`) and PIQA accuracy `piqa/acc` (each skipped when its budget is 0), through
+    `eval.report.measure_noted`: a measure whose data or lm-eval is unavailable becomes a line under `notes`
+    (listed in the report), so the report keeps the search; any other error (a bug) propagates.
     """
-    from llmcompress.errors import UserError
+    from llmcompress.eval.report import EvalSpec, measure_noted, wikitext2_spec
 
-    unavailable = (UserError, ImportError, OSError)
     out: dict = {}
     if eval_tokens > 0 and ppl_blocks is not None:
         import math
@@ -177,37 +177,19 @@ def quality(model, tokenizer, *, eval_tokens: int, seq_len: int, piqa_limit: int
         from llmcompress.eval.perplexity import nll_of_blocks
 
         nll, n = nll_of_blocks(model, ppl_blocks, description="ppl held-out self text")
-        out["ppl_self"] = math.exp(nll / n)
-    elif eval_tokens > 0 and tokenizer is not None:
-        from llmcompress.eval.report import WIKITEXT2_PPL, measure, wikitext2_spec
-
-        try:
-            out["ppl_wikitext2"] = measure(model, tokenizer, wikitext2_spec(eval_tokens, min(seq_len, eval_tokens)))[WIKITEXT2_PPL]
-        except unavailable as exc:  # a missing dataset must not lose the search
-            out["ppl_error"] = _note("WikiText-2 perplexity", exc)
-    if piqa_limit > 0 and tokenizer is not None:
-        try:
-            from llmcompress.eval.lmeval import run_lm_eval
-
-            res = run_lm_eval(model, tokenizer, tasks=["piqa"], limit=piqa_limit)
-            out["piqa_acc"] = res.get("piqa", {}).get("acc")
-        except unavailable as exc:  # lm-eval is optional, PIQA may be missing
-            out["piqa_error"] = _note("PIQA", exc)
+        out[SELF_PPL] = math.exp(nll / n)
+    specs, notes = [], []
+    if eval_tokens > 0 and ppl_blocks is None and tokenizer is not None:
+        specs.append(wikitext2_spec(eval_tokens, min(seq_len, eval_tokens)))
+    if piqa_limit > 0 and tokenizer is not None:  # lm-eval's default batch of 8
+        specs.append(EvalSpec(ppl=[], tasks=["piqa"], limit=piqa_limit, batch_size=8, speed=False))
+    for spec in specs:
+        row = measure_noted(model, tokenizer, spec)
+        out.update({k: row[k] for k in (WIKITEXT2_PPL, PIQA_ACC) if k in row})
+        notes += row.get(NOTES, [])
+    if notes:
+        out[NOTES] = notes
     return out
-
-
-_NOTED: set[str] = set()
-
-
-def _note(what: str, exc: BaseException) -> str:
-    """`what` not measured, with the cause; said once per process on stderr (the report lists it too)."""
-    import sys
-
-    text = f"{what} not measured: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-    if text not in _NOTED:
-        _NOTED.add(text)
-        print(f"notice: {text}", file=sys.stderr)
-    return text
 
 
 def _wikitext_protocol(meta: dict) -> str:
@@ -232,18 +214,19 @@ def write_report(path: Path, rows: list[dict], meta: dict) -> None:
         f"PIQA: {meta.get('piqa_note') or str(meta.get('piqa_limit')) + ' examples'}",
         "",
     ]
-    ppl_key = "ppl_self" if meta.get("ppl_source") == "self" else "ppl_wikitext2"
+    self_text = meta.get("ppl_source") == "self"
+    ppl_key = SELF_PPL if self_text else WIKITEXT2_PPL
     lines += markdown_table(
-        ["model", "layers", "params", "KL calib", "KL val", "held-out self-text ppl" if ppl_key == "ppl_self" else "WikiText-2 ppl", "PIQA acc", "changes"],
+        ["model", "layers", "params", "KL calib", "KL val", "held-out self-text ppl" if self_text else "WikiText-2 ppl", "PIQA acc", "changes"],
         [[r["name"], r["layers"], f"{r['params'] / 1e6:.1f}M", fmt(r.get("kl_calib"), ".3f"), fmt(r.get("kl_val"), ".3f"),
-          fmt(r.get(ppl_key), ".2f"), fmt(r.get("piqa_acc"), ".3f"), r.get("changes", "")] for r in rows],
+          fmt(r.get(ppl_key), ".2f"), fmt(r.get(PIQA_ACC), ".3f"), r.get("changes", "")] for r in rows],
         align="lrrrrrrl",
     )
     saved = [r for r in rows if r.get("bytes_on_disk")]
     if saved:
         lines += ["", "Checkpoints on disk: " + "; ".join(
             f"{r['name']}: {r['bytes_on_disk'] / 1e6:.1f} MB ({r.get('dtype')}, {r['params'] / 1e6:.1f}M parameters)" for r in saved)]
-    errors = sorted({r[k] for r in rows for k in ("ppl_error", "piqa_error") if r.get(k)})
-    if errors:
-        lines += ["", "Notes:"] + [f"- {e}" for e in errors]
+    notes = sorted({n for r in rows for n in r.get(NOTES, ())})
+    if notes:
+        lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     write_text(path, "\n".join(lines) + "\n")

@@ -516,4 +516,31 @@ def fitness_is_finite(f: Fitness) -> bool:
     return math.isfinite(f.kl) and math.isfinite(f.fitness)
 
 
-__all__ = ["Evaluator", "Fitness", "Reference", "build_reference", "topk_kl", "update_cosine", "block_influence"]
+def prepare(cfg, lm, *, calib_blocks=None, val_blocks=None, cache_dir=None):
+    """The Evaluator of a collapse run (a `CollapseConfig`) on a loaded model: calibration/validation blocks
+    (read unless given) and their cached references."""
+    from llmcompress.collapse.config import resolve_fitness_dtype
+    from llmcompress.data import calibration_blocks
+
+    n_cal, n_val = cfg.calib_tokens // cfg.seq_len, cfg.val_tokens // cfg.seq_len
+    labels = {}
+    if calib_blocks is None:
+        calib_blocks, labels["calib"] = calibration_blocks(
+            lm.tokenizer, cfg.calib_source, split=cfg.calib_split, seq_len=cfg.seq_len, n_blocks=n_cal, seed=cfg.seed, model=lm.model
+        )
+    if val_blocks is None:
+        val_blocks, labels["val"] = calibration_blocks(
+            lm.tokenizer, cfg.calib_source, split=cfg.calib_split, seq_len=cfg.seq_len, n_blocks=n_val, seed=cfg.seed,
+            offset=cfg.val_offset, model=lm.model,
+        )
+    max_bytes = cfg.max_cache_gb * 2**30 / 2  # half the budget each for calibration and validation
+    common = dict(topk=cfg.kl_topk, stride=cfg.kl_stride, batch=cfg.batch_blocks, max_bytes=max_bytes, cache_dir=cache_dir)
+    calib = build_reference(lm.model, calib_blocks, label=labels.get("calib", "given"), **common)
+    val = build_reference(lm.model, val_blocks, label=labels.get("val", "given"), **common)
+    ev = Evaluator(lm.model, calib, val, w_kl=cfg.w_kl, w_sim=cfg.w_sim, sim_blocks=cfg.sim_blocks, batch=cfg.batch_blocks,
+                   prefix_bytes=cfg.prefix_cache_gb * 2**30,
+                   compute_dtype=resolve_fitness_dtype(cfg.fitness_dtype, next(lm.model.parameters()).device.type))
+    return ev
+
+
+__all__ = ["Evaluator", "Fitness", "Reference", "build_reference", "topk_kl", "update_cosine", "block_influence", "prepare"]

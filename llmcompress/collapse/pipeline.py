@@ -5,9 +5,31 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from llmcompress.collapse.config import CollapseConfig
 from llmcompress.errors import UserError
+
+
+@dataclass
+class Job:
+    """One collapse run, as the steps of `run_collapse` pass it along: its settings, where it writes, and what
+    it has loaded or measured so far."""
+
+    cfg: CollapseConfig
+    out_dir: Path
+    overwrite: bool = False
+    resume: bool = False
+    stop_after: int | None = None
+    lm: Any = None
+    dev: Any = None
+    info: Any = None  # collapse/parallel.py: this process's place under torchrun
+    dtype: Any = None
+    ev: Any = None  # the Evaluator (collapse/fitness.py)
+    lo: int = 0  # the layer counts the search may reach
+    hi: int = 0
+    evaluation: dict | None = None  # which corpora the quality measures read (`_evaluation_sources`)
+    plan: str | None = None  # --budget-minutes: the sizes chosen
 
 
 @dataclass
@@ -25,33 +47,6 @@ def stale_files() -> tuple[str, ...]:
     from llmcompress.collapse import refine, search, tune
 
     return (search.STATE_FILE, search.LEGACY_STATE_FILE, search.LOG_FILE, refine.STATE_FILE, tune.STATE_FILE)
-
-
-def prepare(cfg: CollapseConfig, lm, *, calib_blocks=None, val_blocks=None, cache_dir=None):
-    """Calibration/validation blocks, cached references and the evaluator for a loaded model."""
-    from llmcompress.collapse.config import resolve_fitness_dtype
-    from llmcompress.collapse.fitness import Evaluator, build_reference
-    from llmcompress.data import calibration_blocks
-
-    n_cal, n_val = cfg.calib_tokens // cfg.seq_len, cfg.val_tokens // cfg.seq_len
-    labels = {}
-    if calib_blocks is None:
-        calib_blocks, labels["calib"] = calibration_blocks(
-            lm.tokenizer, cfg.calib_source, split=cfg.calib_split, seq_len=cfg.seq_len, n_blocks=n_cal, seed=cfg.seed, model=lm.model
-        )
-    if val_blocks is None:
-        val_blocks, labels["val"] = calibration_blocks(
-            lm.tokenizer, cfg.calib_source, split=cfg.calib_split, seq_len=cfg.seq_len, n_blocks=n_val, seed=cfg.seed,
-            offset=cfg.val_offset, model=lm.model,
-        )
-    max_bytes = cfg.max_cache_gb * 2**30 / 2  # half the budget each for calibration and validation
-    common = dict(topk=cfg.kl_topk, stride=cfg.kl_stride, batch=cfg.batch_blocks, max_bytes=max_bytes, cache_dir=cache_dir)
-    calib = build_reference(lm.model, calib_blocks, label=labels.get("calib", "given"), **common)
-    val = build_reference(lm.model, val_blocks, label=labels.get("val", "given"), **common)
-    ev = Evaluator(lm.model, calib, val, w_kl=cfg.w_kl, w_sim=cfg.w_sim, sim_blocks=cfg.sim_blocks, batch=cfg.batch_blocks,
-                   prefix_bytes=cfg.prefix_cache_gb * 2**30,
-                   compute_dtype=resolve_fitness_dtype(cfg.fitness_dtype, next(lm.model.parameters()).device.type))
-    return ev
 
 
 def baseline_candidates(cfg: CollapseConfig, ev, counts: list[int], lo: int) -> dict[str, dict[int, object]]:
@@ -96,7 +91,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
     dev, _ = resolve_device(device)
     info = from_env(dev.type)  # under torchrun: each rank scores a slice of every population; rank 0 writes
     try:
-        return _run_collapse(cfg, out_dir, overwrite, resume, lm, stop_after, dev, info, dtype)
+        return _run_collapse(Job(cfg, out_dir, overwrite, resume, stop_after, lm=lm, dev=dev, info=info, dtype=dtype))
     finally:
         if info.active:
             import torch.distributed as dist
@@ -105,65 +100,60 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
                 dist.destroy_process_group()  # no barrier: the other ranks stop after the search, rank 0 goes on
 
 
-def _run_collapse(cfg, out_dir, overwrite, resume, lm, stop_after, dev, info, dtype):
-    from llmcompress.collapse import export as E
-    from llmcompress.collapse.fitness import STATES_PREFIX
-    from llmcompress.collapse.search import (
-        load_state,
-        make_space,
-        nondominated,
-        run_search,
-        select_by_validation,
-    )
+def _run_collapse(job: Job) -> CollapseResult:
+    from llmcompress.collapse.fitness import STATES_PREFIX, prepare
+    from llmcompress.collapse.search import load_state, make_space
     from llmcompress.io.atomic import write_json
     from llmcompress.io.load import load_model
     from llmcompress.io.rundir import claim, clean
-    from llmcompress.progress import bar
     from llmcompress.runtime import seed_everything
 
-    run_dir = claim(out_dir, overwrite=overwrite, resume=resume, stale=stale_files()) if info.is_main else None
-    lm = lm or load_model(cfg.model, device=dev, dtype=dtype)
+    out_dir, info = job.out_dir, job.info
+    run_dir = claim(out_dir, overwrite=job.overwrite, resume=job.resume, stale=stale_files()) if info.is_main else None
+    job.lm = lm = job.lm or load_model(job.cfg.model, device=job.dev, dtype=job.dtype)
     L = lm.model.config.num_hidden_layers
-    cfg, plan = _sized(cfg, lm, out_dir, resume, info, L)
+    job.cfg, job.plan = _sized(job, L)
+    cfg = job.cfg
     cfg.validate(L)
     space = make_space(cfg, L)
-    lo, hi = space.lo, space.hi
+    job.lo, job.hi = space.lo, space.hi
+    lo = space.lo
     if lo < space.min_reachable():
         raise UserError(
             f"{lo} layers cannot be reached with max_group={cfg.max_group} and the protected layers",
             f"use {space.min_reachable()} layers or more, or raise max_group",
         )
-    if resume:
+    if job.resume:
         load_state(out_dir, cfg, cfg.model)  # wrong model/config: one-line error before any work
     seed_everything(cfg.seed)
     if info.is_main:
         run_dir.start()
         clean(out_dir, [STATES_PREFIX + "*"])  # states spilled to disk by a killed run: never reused, even on --resume
     info.barrier()  # the other ranks spill their states into out_dir too (each its own temp dir)
-    evaluation = _evaluation_sources(cfg) if info.is_main else None
-    ev = prepare(cfg, lm, cache_dir=out_dir)  # reads the calibration data: bad data fails before anything is written
+    job.evaluation = _evaluation_sources(cfg) if info.is_main else None
+    job.ev = prepare(cfg, lm, cache_dir=out_dir)  # reads the calibration data: bad data fails before anything is written
     if info.is_main:
         write_json(out_dir / "config.json", cfg.to_dict())
     try:
-        return _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar,
-                    evaluation, plan)
+        return _run(job)
     finally:
-        ev.close()
+        job.ev.close()
 
 
-def _sized(cfg, lm, out_dir, resume, info, L):
+def _sized(job: Job, L: int):
     """`--budget-minutes`: the config with tokens, population, generations, walk and tuning sized to the budget
     (budget.py), and the plan's description for the report; a resumed run keeps the sizes it started with."""
     import dataclasses
     import json
     import sys
 
+    cfg, lm, info = job.cfg, job.lm, job.info
     if cfg.budget_minutes is None:
         return cfg, None
     from llmcompress.collapse import budget
 
-    saved = Path(out_dir) / "config.json"
-    if resume and saved.is_file():
+    saved = Path(job.out_dir) / "config.json"
+    if job.resume and saved.is_file():
         old = json.loads(saved.read_text())
         settings = {k: old[k] for k in budget.LADDER[0] if k in old}
         return dataclasses.replace(cfg, **settings), f"--budget-minutes {cfg.budget_minutes:g}: resumed with the sizes chosen at the start"
@@ -202,16 +192,19 @@ def _tunes(cfg) -> bool:
     return cfg.method == "gelaco" and cfg.tune_steps > 0
 
 
-def _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar):
+def _refine_picks(job: Job, picks, seeds, target):
     """Refine (swap and coefficient moves with racing, `refine.py`), then for gelaco tune the merge coefficients
     (`tune.py`), the picks at the layer counts that will be reported: the target, or in Pareto mode the counts
     `--save` chooses; each refined solution replaces its pick."""
+    from llmcompress.collapse import export as E
     from llmcompress.collapse import tune as T
     from llmcompress.collapse.export import solution_record
     from llmcompress.collapse.parallel import is_main
     from llmcompress.collapse.refine import STATE_FILE, refine
-    from llmcompress.collapse.search import make_space
+    from llmcompress.collapse.search import make_space, nondominated
+    from llmcompress.progress import bar
 
+    cfg, ev, out_dir = job.cfg, job.ev, job.out_dir
     if target is not None:
         counts = {target}
     else:
@@ -274,8 +267,13 @@ def _compare_counts(cfg, lo, hi, target) -> list[int]:
     return sorted({hi, *range(lo, hi + 1, step)} | {lo})
 
 
-def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_search, select_by_validation, nondominated, bar,
-         evaluation=None, plan=None):
+def _run(job: Job) -> CollapseResult:
+    from llmcompress.collapse import export as E
+    from llmcompress.collapse.search import nondominated, run_search, select_by_validation
+    from llmcompress.progress import bar
+
+    cfg, lm, ev, out_dir, lo, hi = job.cfg, job.lm, job.ev, job.out_dir, job.lo, job.hi
+    evaluation, plan = job.evaluation, job.plan
     L = ev.n_layers
     target = cfg.resolved_target(L)
     counts = list(range(lo, hi + 1)) if cfg.method in ("shortgpt", "laco") and cfg.pareto else _compare_counts(cfg, lo, hi, target)
@@ -296,12 +294,12 @@ def _run(cfg, lm, ev, out_dir, lo, hi, overwrite, resume, stop_after, E, run_sea
                 rec = g.record
                 b.update(completed=g.gen + 1, info=f"gen {g.gen}  best KL {rec['best_kl_calib']:.3f} (val {rec['best_kl_val']:.3f})  {rec['evals_per_s']:.2f} evals/s")
 
-            history = run_search(cfg, ev, seeds, out_dir, model_id=cfg.model, resume=resume, stop_after=stop_after, on_generation=tick)
-        if stop_after is not None and history and history[-1].gen < cfg.generations:
+            history = run_search(cfg, ev, seeds, out_dir, model_id=cfg.model, resume=job.resume, stop_after=job.stop_after, on_generation=tick)
+        if job.stop_after is not None and history and history[-1].gen < cfg.generations:
             return CollapseResult(out_dir, [], [])
         picks = select_by_validation(ev, lo, hi)
         if (cfg.refine_steps > 0 or _tunes(cfg)) and picks:
-            picks, refined = _refine_picks(cfg, ev, picks, seeds, out_dir, target, E, nondominated, bar)
+            picks, refined = _refine_picks(job, picks, seeds, target)
         if not world().is_main:  # the other ranks' share ends with the last collective step
             return CollapseResult(out_dir, [], [])
     else:

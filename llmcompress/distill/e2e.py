@@ -33,7 +33,7 @@ def train_e2e(run: Run, teacher, keep: list[int] | None, blocks):
     """Train the student for ceil(train_tokens / tokens_per_step) steps of full-logit KL; returns it."""
     import torch
 
-    from llmcompress.distill.run import eval_ppl
+    from llmcompress.distill.run import BEFORE_PPL, eval_ppl
 
     cfg = run.cfg
     student = build_student(run, teacher, keep)
@@ -41,7 +41,7 @@ def train_e2e(run: Run, teacher, keep: list[int] | None, blocks):
     teacher.requires_grad_(False)
     if run.dist.is_main and cfg.eval_tokens > 0:
         t_eval = time.perf_counter()
-        run.state["student_ppl_before"] = eval_ppl(student, run.tokenizer, cfg)
+        run.state[BEFORE_PPL] = eval_ppl(student, run.tokenizer, cfg)
         run.state["eval_before_s"] = round(time.perf_counter() - t_eval, 2)
     from llmcompress.io.adapters import get_adapter
 
@@ -169,31 +169,28 @@ def _wrap(run: Run, model, comp):
 
 
 def _comm_path(run: Run, name: str, step: int):
-    return run.work / f"{name}.comm-rank{run.dist.rank}-step{step}.pt"
+    return run.work / f"{name}.comm-rank{run.dist.rank}-step{step}.json"
 
 
 def checkpoint(run: Run, layers, opt, step: int, steps: int, name: str = "e2e-checkpoint.json", comp=None, act=None) -> None:
     """Student layers + optimiser state (+ the activation compressor's, `act`) after `step` steps, written to work/`name` (+ .safetensors; for --resume).
 
     Data-parallel: every rank first writes its gradient-compression state (its own error feedback, the rank
-    schedule, byte totals) to work/`name`.comm-rank{r}-step{step}.pt, then rank 0 writes the weights.
+    schedule, byte totals) to work/`name`.comm-rank{r}-step{step}.json (+ .safetensors), then rank 0 writes the weights.
     """
-    import torch
-
-    from llmcompress.io.atomic import atomic_path
     from llmcompress.io.rundir import save_state
 
     if comp is not None:
-        with atomic_path(_comm_path(run, name, step)) as tmp:
-            torch.save({"step": step, "comm": comp.state_dict()}, tmp)
+        save_state(_comm_path(run, name, step), {"step": step, "comm": comp.state_dict()})
         run.dist.barrier()
     if run.dist.is_main:
         extra = {"act": act.state_dict()} if act is not None and act.state_dict() else {}
         save_state(run.work / name, {"step": step, "steps": steps, "layers": layers.state_dict(), "opt": opt.state_dict(), **extra})
     if comp is not None:
         run.dist.barrier()
-        for old in run.work.glob(f"{name}.comm-rank{run.dist.rank}-step*.pt"):
-            if old != _comm_path(run, name, step):
+        keep = _comm_path(run, name, step)
+        for old in run.work.glob(f"{name}.comm-rank{run.dist.rank}-step*"):
+            if old.with_suffix(".json") != keep:
                 old.unlink(missing_ok=True)
 
 
@@ -205,12 +202,10 @@ def restore(run: Run, layers, opt, steps: int, name: str = "e2e-checkpoint.json"
     if st is None or st["steps"] != steps:
         return 0
     if comp is not None:
-        import torch
-
-        cpath = _comm_path(run, name, int(st["step"]))
-        if not cpath.is_file():
+        cst = load_state(_comm_path(run, name, int(st["step"])))
+        if cst is None:
             return 0
-        comp.load_state_dict(torch.load(cpath, weights_only=True)["comm"])
+        comp.load_state_dict(cst["comm"])
     layers.load_state_dict(st["layers"])
     opt.load_state_dict(st["opt"])
     if act is not None and "act" in st:

@@ -38,12 +38,13 @@ from llmcompress.distill.cache import (
 from llmcompress.distill.config import DistillConfig, Mode
 from llmcompress.distill.dist import DistInfo
 from llmcompress.distill.plan import load_blocks, plan_student, prepare_out
-from llmcompress.distill.run import Run, eval_ppl
+from llmcompress.distill.run import BEFORE_PPL, TEACHER_PPL, Run, eval_ppl
 from llmcompress.distill.segments import (
     Segment,
     segment_layout,
     teacher_boundaries,
 )
+from llmcompress.eval.report import WIKITEXT2_PPL
 from llmcompress.io.atomic import append_jsonl, atomic_path, write_json
 from llmcompress.io.rundir import load_state, save_state
 
@@ -334,7 +335,7 @@ def _run_report(run: Run, metrics: dict) -> dict:
         "final_train_loss": sum(losses_[-n:]) / n if losses_ else None, "train_steps": len(losses_),
         "final_grad_rank": comm.get("final_rank"), "grad_rank_changes": comm.get("rank_changes"),
         "monitor_share_of_step_time": (monitor / step_s) if step_s else None,
-        "student_ppl": metrics.get("student_ppl"), "train_wall_s": metrics.get("train_wall_s"),
+        WIKITEXT2_PPL: metrics.get(WIKITEXT2_PPL), "train_wall_s": metrics.get("train_wall_s"),
     }
 
 
@@ -389,7 +390,7 @@ def distill(
                                "student_layers": len(layer_map), "segments": [s.to_dict() for s in segments],
                                "teacher_parameters": _n_params(lm.model)}
     if dist.is_main and cfg.eval_tokens > 0:
-        metrics["teacher_ppl"] = eval_ppl(lm.model, lm.tokenizer, cfg)
+        metrics[TEACHER_PPL] = eval_ppl(lm.model, lm.tokenizer, cfg)
     t_train = time.perf_counter()
     run = Run(cfg, out, dist, dev, tokenizer=lm.tokenizer, segments=segments, state=state)
     run.work.mkdir(parents=True, exist_ok=True)
@@ -403,7 +404,7 @@ def distill(
         from llmcompress.distill.e2e import train_e2e
 
         student = train_e2e(run, lm.model, keep, blocks)
-        metrics["student_ppl_before"] = run.state.pop("student_ppl_before", None)
+        metrics[BEFORE_PPL] = run.state.pop(BEFORE_PPL, None)
         metrics["eval_before_s"] = run.state.pop("eval_before_s", 0.0)
         lm.model = None
     else:
@@ -423,7 +424,7 @@ def distill(
         return DistillResult(out, None, layer_map, segments, metrics)
     metrics["student_parameters"] = _n_params(student)
     if cfg.eval_tokens > 0:
-        metrics["student_ppl"] = eval_ppl(student, run.tokenizer, cfg)
+        metrics[WIKITEXT2_PPL] = eval_ppl(student, run.tokenizer, cfg)
     metrics["wall_s"] = round(time.perf_counter() - t_start, 2)
     student_dir = _save(run, student, lm, layer_map, metrics)
     import json
@@ -490,7 +491,7 @@ def _layerwise(run: Run, lm, keep: list[int] | None, blocks, metrics: dict):
     run.model = model
     if run.dist.is_main and cfg.eval_tokens > 0:
         t_eval = time.perf_counter()
-        metrics["student_ppl_before"] = eval_ppl(model, run.tokenizer, cfg)
+        metrics[BEFORE_PPL] = eval_ppl(model, run.tokenizer, cfg)
         metrics["eval_before_s"] = round(time.perf_counter() - t_eval, 2)
     n_shards = run.teacher.n_shards
     steps1, steps2 = cur.split_steps(cfg.train_tokens, cfg.batch_size * cfg.seq_len, cfg.phase1_fraction)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llmcompress.distill.run import BEFORE_PPL, TEACHER_PPL
+from llmcompress.eval.report import WIKITEXT2_PPL
 from llmcompress.io.atomic import write_text
 from llmcompress.table import fmt, markdown_table
 
@@ -24,9 +26,9 @@ def render(cfg, metrics: dict[str, Any]) -> str:
         ("training data", metrics.get("data")),
         ("training tokens (budget / unique)", f"{_fmt(metrics.get('train_tokens'))} / {_fmt(metrics.get('unique_tokens'))}"),
         ("passes over the data (--epochs)", cfg.epochs),
-        ("teacher perplexity", metrics.get("teacher_ppl")),
-        ("student perplexity before", metrics.get("student_ppl_before")),
-        ("student perplexity after", metrics.get("student_ppl")),
+        ("teacher perplexity", metrics.get(TEACHER_PPL)),
+        ("student perplexity before", metrics.get(BEFORE_PPL)),
+        ("student perplexity after", metrics.get(WIKITEXT2_PPL)),
         ("training wall time (s, without evaluation)", metrics.get("train_wall_s")),
         ("total wall time (s)", metrics.get("wall_s")),
         ("peak resident memory (MiB)", metrics.get("peak_rss_mb")),

@@ -13,6 +13,7 @@ from llmcompress.distill.cache import FeatureCache
 from llmcompress.distill.config import DistillConfig
 from llmcompress.distill.dist import DistInfo
 from llmcompress.distill.segments import Segment
+from llmcompress.eval.report import STUDENT_BEFORE, TEACHER, WIKITEXT2_PPL, role_key
 from llmcompress.io.atomic import append_jsonl, write_json
 
 
@@ -60,10 +61,15 @@ class Run:
             write_json(self.work / "state.json", self.state)
 
 
+# the report's perplexity keys (eval/report.py's vocabulary): the student's own unprefixed, the teacher's and the
+# untrained student's under their roles
+TEACHER_PPL, BEFORE_PPL = role_key(TEACHER, WIKITEXT2_PPL), role_key(STUDENT_BEFORE, WIKITEXT2_PPL)
+
+
 def eval_ppl(model, tokenizer, cfg: DistillConfig) -> float | None:
     """WikiText-2 perplexity for the report, through the eval module (None when eval_tokens is 0)."""
     if cfg.eval_tokens <= 0 or tokenizer is None:
         return None
-    from llmcompress.eval.report import WIKITEXT2_PPL, measure, wikitext2_spec
+    from llmcompress.eval.report import measure, wikitext2_spec
 
     return measure(model, tokenizer, wikitext2_spec(cfg.eval_tokens, cfg.eval_seq_len))[WIKITEXT2_PPL]

@@ -7,6 +7,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from llmcompress.errors import DataError, UserError
 from llmcompress.spec import MAX_BATCH, MAX_COUNT, MAX_SEQ, MAX_TOKENS, Int, Real, check_ranges
 
 
@@ -57,6 +58,37 @@ def evaluate(lm, spec: EvalSpec, path: str | None = None) -> dict:
     return row
 
 
+# ---------------------------------------------------------------- the metric vocabulary
+# Every report and manifest names a measurement the same way: `ppl/<data>` for perplexity on a corpus
+# (`wikitext2`, `tinyshakespeare`, a file; `self` for held-out text sampled from the dense model),
+# `<task>/<metric>` for an lm-eval task metric (`piqa/acc`), `<role>/<key>` for a model other than the one
+# the report is about (distill: `teacher/ppl/wikitext2`, `student_before/ppl/wikitext2`; the student's own keys
+# are unprefixed), and `notes`: a list of one-line notes, e.g. a measure left out because its data is missing.
+
+NOTES = "notes"
+TEACHER, STUDENT_BEFORE = "teacher", "student_before"  # distill's roles
+
+
+def ppl_key(data: str) -> str:
+    """The key of perplexity on `data`: `ppl/<data>`."""
+    return f"ppl/{data}"
+
+
+def task_key(task: str, metric: str) -> str:
+    """The key of an lm-eval task metric: `<task>/<metric>`."""
+    return f"{task}/{metric}"
+
+
+def role_key(role: str, key: str) -> str:
+    """`key` measured on another model than the report's own: `<role>/<key>` (e.g. `teacher/ppl/wikitext2`)."""
+    return f"{role}/{key}"
+
+
+WIKITEXT2_PPL = ppl_key("wikitext2")  # the key `measure` gives WikiText-2 perplexity under
+SELF_PPL = ppl_key("self")  # perplexity on held-out self text (collapse without a reachable corpus)
+PIQA_ACC = task_key("piqa", "acc")
+
+
 def measure(model, tokenizer, spec: EvalSpec, *, model_name: str = "model") -> dict:
     """The measurements of `spec` on a model in memory, the one evaluation path of `llmcompress eval` and of
     the engines' post-run reports: `ppl/<data>` (with tokens scored, windows, tokens/s) per corpus, lm-eval
@@ -67,10 +99,11 @@ def measure(model, tokenizer, spec: EvalSpec, *, model_name: str = "model") -> d
     for data in spec.ppl:
         t_data = time.perf_counter()
         r = perplexity(model, tokenizer, data, seq_len=spec.seq_len, max_tokens=spec.max_tokens, batch_size=spec.batch_size)
-        row[f"ppl/{data}"] = r["ppl"]
-        row[f"ppl/{data}/tokens_scored"] = r["tokens_scored"]
-        row[f"ppl/{data}/windows"] = r["windows"]
-        row[f"ppl/{data}/tokens_per_s"] = r["tokens"] / max(1e-9, time.perf_counter() - t_data)
+        key = ppl_key(data)
+        row[key] = r["ppl"]
+        row[f"{key}/tokens_scored"] = r["tokens_scored"]
+        row[f"{key}/windows"] = r["windows"]
+        row[f"{key}/tokens_per_s"] = r["tokens"] / max(1e-9, time.perf_counter() - t_data)
     if spec.tasks:
         from llmcompress.eval.lmeval import run_lm_eval_full
 
@@ -81,7 +114,7 @@ def measure(model, tokenizer, spec: EvalSpec, *, model_name: str = "model") -> d
         )
         for task, metrics in run.metrics.items():
             for k, v in metrics.items():
-                row[f"{task}/{k}"] = v
+                row[task_key(task, k)] = v
         row[LM_EVAL_KEY] = run  # lm-eval's own results; `write_report` saves them (popped before JSON)
     if spec.speed:
         from llmcompress.eval.speed import measure_speed
@@ -95,7 +128,49 @@ def wikitext2_spec(eval_tokens: int, seq_len: int) -> EvalSpec:
     return EvalSpec(ppl=["wikitext2"], seq_len=seq_len, max_tokens=eval_tokens, speed=False)
 
 
-WIKITEXT2_PPL = "ppl/wikitext2"  # the key `measure` gives WikiText-2 perplexity under
+def measure_noted(model, tokenizer, spec: EvalSpec, *, model_name: str = "model") -> dict:
+    """`measure`, one part at a time (each corpus, then the lm-eval tasks, then speed), for the engines'
+    post-run reports: a part that cannot run because its dataset or lm-eval is missing becomes a line under
+    `notes` (what was not measured, the cause and how to fix it; said once per process on stderr) and the
+    other parts are still measured. Any other error is a bug and propagates."""
+    import dataclasses
+
+    row: dict = {}
+    notes: list[str] = []
+    parts = [(f"perplexity on {data} ({ppl_key(data)})", dataclasses.replace(spec, ppl=[data], tasks=[], speed=False)) for data in spec.ppl]
+    if spec.tasks:
+        parts.append((f"lm-eval {', '.join(spec.tasks)}", dataclasses.replace(spec, ppl=[], speed=False)))
+    if spec.speed:
+        parts.append(("speed", dataclasses.replace(spec, ppl=[], tasks=[])))
+    for what, part in parts:
+        try:
+            row.update(measure(model, tokenizer, part, model_name=model_name))
+        except UNAVAILABLE as exc:
+            notes.append(unavailable_note(what, exc))
+    if notes:
+        row[NOTES] = notes
+    return row
+
+
+UNAVAILABLE = (DataError, ModuleNotFoundError)  # what `measure_noted` turns into a note: missing data (DataError), a missing package
+_SAID: set[str] = set()
+
+
+def unavailable_note(what: str, exc: BaseException) -> str:
+    """One line: `what` not measured, with the cause and its fix; said once per process on stderr."""
+    import sys
+
+    if isinstance(exc, UserError):
+        cause = exc.one_line()
+    elif isinstance(exc, ModuleNotFoundError):
+        cause = f"the package {exc.name!r} is not installed (pip install {'lm-eval' if (exc.name or '').startswith('lm_eval') else exc.name})"
+    else:
+        cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    text = f"{what} not measured: {cause}"
+    if text not in _SAID:
+        _SAID.add(text)
+        print(f"notice: {text}", file=sys.stderr)
+    return text
 
 
 def evaluate_streamed(spec_name: str, path, spec: EvalSpec, *, dtype=None, device="cpu") -> dict:

@@ -152,7 +152,7 @@ def write_compressed_tensors_streamed(runner, tokenizer, out: Path, *, plan, qua
     with atomic_dir(Path(out), overwrite=overwrite) as tmp:
         def sink(i, qweights):
             nonlocal nbytes, params
-            prefix = runner._layer_prefix(i)
+            prefix = runner.layer_prefix(i)
             layer = runner.adapter.decoder_layers(model)[i]
             params += sum(p.numel() for p in layer.parameters())
             tensors = floats(prefix, layer, set(qweights))
@@ -175,7 +175,7 @@ def write_compressed_tensors_streamed(runner, tokenizer, out: Path, *, plan, qua
             for i in track(steps, "quantizing (RTN, layer by layer)", total=n) if progress else steps:
                 with runner.layer(i) as layer:
                     got = {}
-                    prefix = runner._layer_prefix(i)
+                    prefix = runner.layer_prefix(i)
                     for fqn, cfg in targets.items():
                         if fqn.startswith(prefix):
                             q, s, z = P.quantize(layer.get_submodule(fqn[len(prefix):]).weight.data, cfg.bits, cfg.group_size, sym=cfg.sym)

@@ -221,7 +221,7 @@ class LayerRunner:
                                                 dtype=self.dtype if value.is_floating_point() and not keep else None)
                     del value
 
-    def _layer_prefix(self, i: int) -> str:
+    def layer_prefix(self, i: int) -> str:
         return f"{self.adapter.layers}.{i}."
 
     def _load_resident(self) -> None:
@@ -247,7 +247,7 @@ class LayerRunner:
     # -------------------------------------------------------- the interface
 
     def layer_tensor_names(self, i: int) -> list[str]:
-        prefix = self._layer_prefix(i)
+        prefix = self.layer_prefix(i)
         return [n for n in self.keys if n.startswith(prefix)]
 
     @contextmanager

@@ -880,7 +880,7 @@ def default_threads() -> int:
     return cpu_threads(cap=8)
 
 
-def _run(tasks, threads: int) -> list:
+def run_tasks(tasks, threads: int) -> list:
     if threads <= 1 or len(tasks) <= 1:
         return [t() for t in tasks]
     return list(_pool(threads).map(lambda t: t(), tasks))
@@ -961,7 +961,7 @@ def encode_many(tensors, chunk_bytes: int = DEFAULT_CHUNK_BYTES, threads: int = 
 
             jobs.append(job)
         enc._groups = (groups, ends, maxc)  # type: ignore[attr-defined]
-    _run(jobs, threads)
+    run_tasks(jobs, threads)
     for enc in results:
         g = getattr(enc, "_groups", None)
         if g is None:
@@ -1049,7 +1049,7 @@ def decode_many(encs: list[Encoded], threads: int = 1, out: list | None = None) 
                 )
 
             jobs.append(job)
-    _run(jobs, threads)
+    run_tasks(jobs, threads)
     if any(errs):
         raise CorruptData(f"{sum(errs)} malformed chunk(s) in coded tensor")
     return tensors

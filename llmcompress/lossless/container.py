@@ -369,7 +369,7 @@ def _verify(path: Path, buf: np.ndarray, index: dict, threads: int) -> None:
         off, ln, crc = it
         return zlib.crc32(buf[off : off + ln]) & 0xFFFFFFFF == crc
 
-    ok = codec._run([lambda it=it: check(it) for it in items], threads) if threads > 1 else [check(it) for it in items]
+    ok = codec.run_tasks([lambda it=it: check(it) for it in items], threads) if threads > 1 else [check(it) for it in items]
     if not all(ok):
         bad = sum(1 for v in ok if not v)
         raise _corrupt(path, f"{bad} block(s) fail their crc32 checksum")

@@ -11,7 +11,7 @@ from llmcompress.nas.config import NasConfig
 
 log = logging.getLogger("llmcompress")
 
-STALE = ("search_log.jsonl", "lut.json", "search_state_*.pt", "refine_*.json")  # removed by --overwrite (io/rundir.py)
+STALE = ("search_log.jsonl", "lut.json", "search_state_*.json", "search_state_*.safetensors", "search_state_*.pt", "refine_*.json")  # removed by --overwrite (io/rundir.py)
 
 
 @dataclass
@@ -21,7 +21,7 @@ class NasRun:
     rows: list[dict] = field(default_factory=list)
 
 
-def _blocks(tokenizer, cfg: NasConfig):
+def search_blocks(tokenizer, cfg: NasConfig):
     """The search's calibration blocks, and disjoint held-out blocks for the refinement (None when the
     data holds no more)."""
     from llmcompress.data import calibration_blocks
@@ -39,12 +39,15 @@ def _blocks(tokenizer, cfg: NasConfig):
     return blocks, held_out
 
 
-def _evaluate(model, tokenizer, cfg: NasConfig) -> dict:
+def evaluate(model, tokenizer, cfg: NasConfig) -> dict:
+    """A result's post-run measures: WikiText-2 perplexity `ppl/wikitext2` through `eval.report.measure_noted`
+    (missing data becomes a line under `notes`), and measured speed."""
+    from llmcompress.eval.report import NOTES, WIKITEXT2_PPL, measure_noted, wikitext2_spec
+
     out = {}
     if cfg.eval_tokens > 0:
-        from llmcompress.eval.perplexity import perplexity
-
-        out["ppl"] = perplexity(model, tokenizer, "wikitext2", seq_len=cfg.eval_seq_len, max_tokens=cfg.eval_tokens)["ppl"]
+        row = measure_noted(model, tokenizer, wikitext2_spec(cfg.eval_tokens, cfg.eval_seq_len))
+        out.update({k: row[k] for k in (WIKITEXT2_PPL, NOTES) if k in row})
     if cfg.measure_speed:
         from llmcompress.eval.speed import measure_speed
 
@@ -102,7 +105,7 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
     sym8 = "gguf" in cfg.export
     costs = _cost_models(teacher, space, cfg, out, resume)
     S.check_reachable(costs, cfg)
-    blocks, held_out = _blocks(tok, cfg)  # bad data fails here, before anything is written to --out
+    blocks, held_out = search_blocks(tok, cfg)  # bad data fails here, before anything is written to --out
     blocks, held_out = blocks.to(dev), (held_out.to(dev) if held_out is not None else None)
     if costs.lut is not None:
         write_json(out / "lut.json", costs.lut)
@@ -114,7 +117,7 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
 
     rows = [{"name": "dense (float32)", "layers": space.n_layers, "mean_width": space.intermediate, "avg_bits": 16.0,
              "size_mb": sum(p.numel() for p in teacher.parameters()) * 2 / 1e6, "modeled_latency": 1.0,
-             **_evaluate(teacher, tok, cfg)}]
+             **evaluate(teacher, tok, cfg)}]
     notes: list[str] = []
     modes = [cfg.mode] + [m for m in cfg.baselines if m != cfg.mode]
     primary = None
@@ -132,7 +135,7 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
         model = E.derive_model(teacher, space, res.arch)
         plan = E.plan_of(space, res.arch, sym8, method)
         qweights = E.apply_bank(model, space, res.arch, bank)
-        evals = _evaluate(model, tok, cfg)
+        evals = evaluate(model, tok, cfg)
         row = _row(f"{mode} ({method.upper()})", space, res, evals)
         rows.append(row)
         summary = {"mode": mode, "quant_method": method, "avg_bits": res.metrics["bits"], "modeled_latency": res.metrics["latency"],
@@ -160,5 +163,8 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
             "baselines": {m: {k: v for k, v in s.items() if k not in ("plan",)} for m, s in summaries.items() if m != cfg.mode},
             "dense": rows[0]}
     write_json(out / "arch.json", arch)
+    from llmcompress.eval.report import NOTES
+
+    notes += list(dict.fromkeys(n for r in rows for n in r.get(NOTES, ())))  # a missing corpus: said once, not per row
     write_report(out / "report.md", rows, cfg, costs.lut, notes)
     return NasRun(out, arch, rows)

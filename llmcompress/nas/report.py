@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmcompress.eval.report import WIKITEXT2_PPL
 from llmcompress.table import fmt, markdown_table
 
 
@@ -22,7 +23,7 @@ def render(rows: list[dict], cfg, lut: dict | None, notes: list[str]) -> str:
     lines += markdown_table(
         ["result", "layers", "MLP width (mean)", "avg bits", "size MB", "modeled latency", "ppl", "prefill tok/s", "decode tok/s"],
         [[r["name"], r.get("layers", "—"), fmt(r.get("mean_width"), ".0f"), fmt(r.get("avg_bits"), ".2f"), fmt(r.get("size_mb"), ".1f"),
-          fmt(r.get("modeled_latency"), ".3f"), fmt(r.get("ppl"), ".2f"), fmt(r.get("prefill_tokens_per_s"), ".0f"),
+          fmt(r.get("modeled_latency"), ".3f"), fmt(r.get(WIKITEXT2_PPL), ".2f"), fmt(r.get("prefill_tokens_per_s"), ".0f"),
           fmt(r.get("decode_tokens_per_s"), ".1f")] for r in rows])
     lines += ["", "Size MB is the cost model's size of the quantized weights (ints + float16 scales + zeros; embeddings and norms "
               "in float16); hf/ holds the dequantized weights, for evaluation; gguf/ and compressed-tensors/ (--export) are the "

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from llmcompress.io.atomic import append_jsonl
+from llmcompress.io.rundir import save_state
 from llmcompress.metrics import token_kl
 from llmcompress.nas.config import NasConfig
 from llmcompress.nas.cost import CostModels
@@ -38,11 +39,30 @@ def tau_at(cfg: NasConfig, step: int, steps: int) -> float:
     return cfg.tau_start * (cfg.tau_end / cfg.tau_start) ** frac
 
 
-def _save_state(path: Path, state: dict) -> None:
-    from llmcompress.io.atomic import atomic_path
+def state_path(out: Path, stage: str) -> Path:
+    """Where a search stage keeps its resumable state: `search_state_<stage>.json` (+ `.safetensors`, io/rundir.py)."""
+    return Path(out) / f"search_state_{stage}.json"
 
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+
+def load_stage_state(out: Path, stage: str) -> dict | None:
+    """The saved state of `stage` (None when there is none). A `.pt` state of an older llmcompress (a pickle)
+    or a damaged one: UserError (exit 2), start afresh with --overwrite."""
+    from llmcompress.errors import UserError
+    from llmcompress.io.rundir import load_state
+
+    path = state_path(out, stage)
+    legacy = path.with_suffix(".pt")
+    if not path.is_file() and legacy.is_file():
+        raise UserError(f"{legacy} is a search state of an older llmcompress (a pickle), which is no longer read",
+                        "start the search afresh with --overwrite")
+    try:
+        st = load_state(path)
+        if st is not None and (not isinstance(st, dict) or "fingerprint" not in st):
+            raise ValueError("not a search state")
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read the search state {path}: {str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__}",
+                        "start afresh with --overwrite") from None
+    return st
 
 
 def distill_loss(t_out, s_out, hidden_mse: float) -> torch.Tensor:
@@ -66,19 +86,12 @@ def run_stage(
         return net.logits()
     opt = torch.optim.Adam(net.trainable(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed + 17)
-    state_path = out / f"search_state_{stage}.pt"
     log_path = out / "search_log.jsonl"
     start = 0
-    if resume and state_path.is_file():
+    st = load_stage_state(out, stage) if resume else None
+    if st is not None:
         from llmcompress.errors import UserError
 
-        try:  # weights_only: tensors and plain containers only, so a planted file cannot run code
-            st = torch.load(state_path, weights_only=True)
-            if not isinstance(st, dict) or "fingerprint" not in st:
-                raise ValueError("not a search state")
-        except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
-            raise UserError(f"cannot read the search state {state_path}: {str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__}",
-                            "start afresh with --overwrite") from None
         if st["fingerprint"] != cfg.fingerprint():
             raise UserError(f"{out} holds a search with different settings", "use the same settings, or a new --out")
         net.load_state_dict(st["net"], strict=False)
@@ -117,7 +130,7 @@ def run_stage(
                 append_jsonl(log_path, rec)
                 b.advance(info=f"kl={rec['kl']:.3f} lat={rec['exp_latency']:.2f} bits={rec['exp_bits']:.2f}")
                 if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
-                    _save_state(state_path, {"net": net.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                    save_state(state_path(out, stage), {"net": net.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
                                              "step": step + 1, "fingerprint": cfg.fingerprint(), "act": ac.state_dict()})
     finally:
         net.remove()

@@ -103,7 +103,7 @@ def layer_hessians(runner, i: int, layer: nn.Module, fqns: list[str], hidden: li
     linears `fqns` (model FQNs inside this layer). Linears fed the same tensor (q/k/v, gate/up) share one
     Hessian. Returns (outputs, {fqn: H}); the sums run in the order `input_hessians` runs them, so the
     matrices are the same."""
-    prefix = runner._layer_prefix(i)
+    prefix = runner.layer_prefix(i)
     mods = {fqn: layer.get_submodule(fqn[len(prefix):]) for fqn in fqns}
     sums: dict[str, torch.Tensor] = {}
     owner: dict[str, str] = {}
@@ -155,7 +155,7 @@ def gptq_layerwise_(runner, plan: MixedPrecisionPlan, blocks: torch.Tensor, *, a
     if inputs not in INPUTS:
         raise ValueError(f"inputs must be one of {INPUTS}")
     model = runner.model
-    prefixes = [runner._layer_prefix(i) for i in range(runner.n_layers)]
+    prefixes = [runner.layer_prefix(i) for i in range(runner.n_layers)]
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     targets = plan.quantized(names)
     outside = [f for f in targets if not f.startswith(runner.adapter.layers + ".")]
