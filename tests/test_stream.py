@@ -64,6 +64,11 @@ def test_streamed_bf16_checkpoint_computes_in_float32(saved):
     ref_model = load_model(str(path), dtype=torch.float32).model
     blocks = _blocks(3)
     runner = LayerRunner.open(path, dtype=torch.float32, batch=3)
+    # the embedding (tied to the head) stays bf16: half the bytes of the largest resident tensor
+    assert runner.adapter.embeddings(runner.model).weight.dtype == torch.bfloat16
+    assert runner.adapter.head(runner.model).weight.dtype == torch.bfloat16
+    big = {runner.adapter.embed + ".weight", runner.adapter.lm_head + ".weight"}
+    assert all(p.dtype == torch.float32 for n, p in runner.model.named_parameters() if n not in big and p.device.type != "meta")
     logits = runner.logits(boundary_walk(runner, blocks)[0])
     assert logits.dtype == torch.float32
     with torch.no_grad():
@@ -209,11 +214,48 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS read from Linux /proc")
-def test_streamed_peak_memory_is_a_few_layers(tiny_hf_dir, tmp_path):
-    """A 12-layer model of 10.5 MiB layers (fp32, 126 MiB of decoder weights): perplexity in memory grows the
-    process by at least the whole model; streamed by at most a few layers (6: one layer, its reading buffers
-    and allocator slack, which varies with the machine's load). Each arm in its own process."""
+_GPTQ_PROBE = textwrap.dedent("""
+    import hashlib, json, sys, torch
+    from llmcompress.io.stream import LayerRunner
+    from llmcompress.quant.gptq import gptq_layerwise_, gptq_model_
+    from llmcompress.quant.plan import MixedPrecisionPlan, QuantConfig
+    import accelerate.utils, transformers.models.llama.modeling_llama, llmcompress.io.load
+
+    def status(key):
+        return next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith(key + ":")) * 1024
+
+    torch.set_num_threads(1)
+    blocks = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = MixedPrecisionPlan()
+    plan[r"re:.*\\.layers\\.\\d+\\..*"] = QuantConfig(bits=4, group_size=128, method="gptq")
+    plan["_default"] = None
+    digest = hashlib.sha256()
+
+    def sink(i, qweights):  # the integers leave layer by layer, as the streamed export writes them
+        for fqn in sorted(qweights):
+            for t in (qweights[fqn].q, qweights[fqn].scale, qweights[fqn].zero):
+                digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+    mode, path = sys.argv[1], sys.argv[2]
+    # runtime before the baseline: the modules imported inside, LAPACK's and BLAS's first-call buffers
+    import llmcompress.quant.apply, llmcompress.progress
+    torch.cholesky_inverse(torch.linalg.cholesky(torch.eye(300))) @ torch.eye(300)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = status("VmRSS")
+    if mode == "stream":
+        gptq_layerwise_(LayerRunner.open(path, batch=2), plan, blocks, act_order=True, sink=sink, progress=False)
+    else:
+        from llmcompress.io.load import load_model
+        gptq_model_(load_model(path).model, plan, blocks, act_order=True, sink=sink, progress=False)
+    print(json.dumps({"delta": status("VmHWM") - base, "ints": digest.hexdigest()}))
+""")
+
+
+@pytest.fixture
+def wide(tiny_hf_dir, tmp_path):
+    """A 12-layer LLaMA of 10.5 MiB layers (fp32, 126 MiB of decoder weights) built from config; returns
+    (path, checkpoint bytes, one layer's bytes, probe(code, mode) -> the probe's JSON, run in a subprocess)."""
     import transformers
 
     from llmcompress.io.stream import checkpoint_bytes_at
@@ -226,19 +268,67 @@ def test_streamed_peak_memory_is_a_few_layers(tiny_hf_dir, tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tiny_hf_dir / f).is_file():
             (path / f).write_bytes((tiny_hf_dir / f).read_bytes())
-    total = checkpoint_bytes_at(path, torch.float32)
     layer = (4 * 512 * 512 + 3 * 512 * 1024 + 2 * 512) * 4
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
-    def probe(mode):
-        proc = subprocess.run([sys.executable, "-c", _PROBE, mode, str(path)], capture_output=True, text=True, env=env, timeout=300)
+    def probe(code, mode):
+        proc = subprocess.run([sys.executable, "-c", code, mode, str(path)], capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    mem, streamed = probe("memory"), probe("stream")
+    return path, checkpoint_bytes_at(path, torch.float32), layer, probe
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS read from Linux /proc")
+def test_streamed_peak_memory_is_a_few_layers(wide):
+    """Perplexity in memory grows the process by at least the whole model; streamed by at most a few layers
+    (6: one layer, its reading buffers and allocator slack, which varies with the machine's load). Each arm in
+    its own process."""
+    path, total, layer, probe = wide
+    mem, streamed = probe(_PROBE, "memory"), probe(_PROBE, "stream")
     assert streamed["nll"] == pytest.approx(mem["nll"], rel=1e-6)
     assert mem["delta"] > 0.9 * total  # the in-memory arm holds every layer
     assert streamed["delta"] < min(6 * layer, 0.5 * total), (streamed["delta"] / layer, total / layer)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS read from Linux /proc")
+def test_streamed_gptq_peak_memory_is_a_few_layers(wide):
+    """GPTQ layer by layer, streamed: one layer, its Hessians, the quantizer's working copies (the weight,
+    the Hessian's Cholesky factors, the integers) and heap slack, about 5 layers here (measured 5.1-5.3 on
+    an idle machine), whatever the depth; in memory at least the whole model. The bound has slack for a
+    loaded machine. The integers are the same (digest of every layer's q, scale, zero)."""
+    path, total, layer, probe = wide
+    mem, streamed = probe(_GPTQ_PROBE, "memory"), probe(_GPTQ_PROBE, "stream")
+    assert streamed["ints"] == mem["ints"]
+    assert mem["delta"] > 0.9 * total
+    assert streamed["delta"] < min(8 * layer, 0.75 * total), (streamed["delta"] / layer, total / layer)
+
+
+def test_streamed_runner_sets_and_restores_the_mmap_threshold(saved, monkeypatch):
+    """While a streamed runner lives, glibc's mmap threshold is 4 MiB (big tensors are unmapped when freed);
+    closing the last runner (or its collection) sets glibc's maximum back; in-memory runners leave it alone."""
+    import gc
+
+    from llmcompress.io import stream
+
+    if stream._mallopt() is None:
+        pytest.skip("not glibc")
+    gc.collect()  # runners of earlier tests
+    assert stream._LIVE_RUNNERS == 0
+    calls = []
+    monkeypatch.setattr(stream, "_MALLOPT", lambda opt, value: calls.append((opt, value)) or 1)
+    _, path = saved("llama", layers=2)
+    a = stream.LayerRunner.open(path)
+    b = stream.LayerRunner.open(path)
+    assert calls == [(stream._M_MMAP_THRESHOLD, 4 * 2**20)]
+    a.close()
+    a.close()  # once only
+    assert len(calls) == 1
+    del b
+    gc.collect()
+    assert calls == [(stream._M_MMAP_THRESHOLD, 4 * 2**20), (stream._M_MMAP_THRESHOLD, 32 * 2**20)]
+    stream.LayerRunner(tiny_model("llama", layers=2))
+    assert len(calls) == 2 and stream._LIVE_RUNNERS == 0
 
 
 def _read_all(folder):

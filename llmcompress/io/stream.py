@@ -154,6 +154,7 @@ class LayerRunner:
         self.device = torch.device(device) if device is not None else next(p.device for p in model.parameters() if p.device.type != "meta")
         self.dtype = dtype
         self.batch = batch
+        self._release = None  # streamed: restores the malloc setting (_mmap_large_tensors)
 
     @property
     def streamed(self) -> bool:
@@ -189,6 +190,7 @@ class LayerRunner:
         files = _index(path)
         keys = _key_map(model, files)
         runner = cls(model, files=files, keys=keys, device=device, dtype=dtype, batch=batch)
+        _mmap_large_tensors(runner)
         runner._load_resident()
         return runner
 
@@ -216,9 +218,10 @@ class LayerRunner:
             with safe_open(str(f), framework="pt", device="cpu") as h:
                 for name in group:
                     value = h.get_tensor(self.keys[name])
+                    # an explicit dtype always: with None, accelerate casts to the skeleton's (compute) dtype
                     keep = self._keep_source_dtype(name, value)
-                    set_module_tensor_to_device(self.model, name, self.device, value=value,
-                                                dtype=self.dtype if value.is_floating_point() and not keep else None)
+                    dtype = (value.dtype if keep else self.dtype) if value.is_floating_point() else None
+                    set_module_tensor_to_device(self.model, name, self.device, value=value, dtype=dtype)
                     del value
 
     def layer_prefix(self, i: int) -> str:
@@ -268,7 +271,7 @@ class LayerRunner:
 
             for name in names:
                 set_module_tensor_to_device(self.model, name, "meta")
-            _return_freed_memory()
+            return_freed_memory()
 
     def embed(self, blocks: torch.Tensor) -> list[torch.Tensor]:
         """Input of decoder layer 0 for `blocks` (n, T), as a list of per-batch tensors (`self.batch` blocks each).
@@ -323,10 +326,13 @@ class LayerRunner:
                               for a in range(0, W.shape[0], step)], dim=-1)
 
     def close(self) -> None:
-        """Nothing stays open between layers; kept so callers can close a runner either way."""
+        """Nothing stays open between layers; a streamed runner gives back its malloc setting now rather
+        than when it is collected."""
+        if self._release is not None:
+            self._release()
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Give freed heap pages back to the OS after a layer is dropped (glibc's malloc keeps them otherwise,
     and a streamed run's resident memory creeps up layer by layer). No-op where there is no glibc."""
     import ctypes
@@ -342,6 +348,57 @@ def _return_freed_memory() -> None:
 
 
 _TRIM = None
+
+# glibc's malloc: tensors above its mmap threshold get their own mapping, unmapped (given back to the OS) on
+# free; smaller ones come from the heap, whose freed middle pages stay resident. The threshold is dynamic
+# by default: freeing an mmapped chunk raises it to that chunk's size, up to DEFAULT_MMAP_THRESHOLD_MAX
+# (32 MiB on 64-bit), so after the first layer is freed a layer's tensors (4-50 MB) land on the heap and a
+# streamed run's resident memory keeps the freed layers and Hessians. While a streamed runner lives, the
+# threshold is 4 MiB; when the last one is collected it goes to glibc's maximum (mallopt cannot give the
+# dynamic behaviour back; a process-wide 4 MiB threshold made an allocation-heavy loop 1.4x slower).
+_M_MMAP_THRESHOLD = -3
+_STREAM_MMAP_THRESHOLD = 4 * 2**20
+_GLIBC_MMAP_THRESHOLD_MAX = 4 * 2**20 * 8  # DEFAULT_MMAP_THRESHOLD_MAX: 4 * 1024 * 1024 * sizeof(long)
+_MALLOPT = None
+_LIVE_RUNNERS = 0
+
+
+def _mallopt():
+    """glibc's mallopt, or None (not Linux, or another libc such as musl)."""
+    import ctypes
+    import platform
+
+    global _MALLOPT
+    if _MALLOPT is None:
+        _MALLOPT = False
+        if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+            try:
+                _MALLOPT = ctypes.CDLL("libc.so.6").mallopt
+            except (OSError, AttributeError):
+                pass
+    return _MALLOPT or None
+
+
+def _restore_mmap_threshold(value: int) -> None:
+    global _LIVE_RUNNERS
+    _LIVE_RUNNERS -= 1
+    fn = _mallopt()
+    if _LIVE_RUNNERS == 0 and fn is not None:
+        fn(_M_MMAP_THRESHOLD, value)
+
+
+def _mmap_large_tensors(runner) -> None:
+    """A 4 MiB mmap threshold while `runner` lives (see above); no-op where there is no glibc."""
+    import weakref
+
+    global _LIVE_RUNNERS
+    fn = _mallopt()
+    if fn is None:
+        return
+    if _LIVE_RUNNERS == 0:
+        fn(_M_MMAP_THRESHOLD, _STREAM_MMAP_THRESHOLD)
+    _LIVE_RUNNERS += 1
+    runner._release = weakref.finalize(runner, _restore_mmap_threshold, _GLIBC_MMAP_THRESHOLD_MAX)
 
 
 def _index(path: Path) -> dict[str, Path]:
@@ -434,4 +491,4 @@ def streamed_perplexity(path: Path, tokenizer, data: str = "wikitext2", *, split
 
 
 __all__ = ["LayerRunner", "available_memory", "boundary_walk", "checkpoint_bytes_at", "open_runner", "parse_memory",
-           "should_stream", "streamable_dir", "streamed_nll", "streamed_perplexity"]
+           "return_freed_memory", "should_stream", "streamable_dir", "streamed_nll", "streamed_perplexity"]

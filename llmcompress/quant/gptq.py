@@ -37,7 +37,9 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
         raise ValueError(f"group size {group_size} does not divide the input width {inp}")
     block = max(group_size, (block // group_size) * group_size)
     W = W.detach().float().clone()
-    H = H.detach().to(device=W.device, dtype=torch.float64, copy=True)
+    # float32 throughout, as the reference implementation (IST-DASLab/gptq) and llm-compressor: a float64
+    # copy of a 5632-wide Hessian and its factors are 254 MB each
+    H = H.detach().to(device=W.device, dtype=torch.float32, copy=True)
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
@@ -48,11 +50,11 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
         W, H = W[:, perm], H[perm[:, None], perm]
     else:
         perm = torch.arange(inp, device=W.device)
-    try:  # step by step, freeing each (in, in) float64 matrix once used: a 5632-wide layer's are 254 MB each
+    try:  # step by step, freeing each (in, in) matrix once used
         Hinv = torch.linalg.cholesky(H)
         del H
         Hinv = torch.cholesky_inverse(Hinv)
-        Hinv = torch.linalg.cholesky(Hinv, upper=True).float()
+        Hinv = torch.linalg.cholesky(Hinv, upper=True)
     except RuntimeError:  # not positive definite even after damping: fall back to RTN
         return P.quantize(W[:, torch.argsort(perm)], bits, group_size, sym=sym)
     qmax = 2**bits - 1
@@ -89,13 +91,22 @@ def input_hessians(model: nn.Module, fqns: list[str], blocks: torch.Tensor, batc
     hooks = []
     for name in fqns:
         def pre(mod, args, name=name):
-            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-            H[name] = H.get(name, 0) + x.T @ x
+            _add_outer(H, name, args[0])
         hooks.append(modules[name].register_forward_pre_hook(pre))
     from llmcompress.io.forward import forward_with_hooks
 
     n = max(forward_with_hooks(model, blocks, hooks, batch), 1)
-    return {k: v / n for k, v in H.items()}
+    return {k: v.div_(n) for k, v in H.items()}
+
+
+def _add_outer(sums: dict, name: str, x: torch.Tensor) -> None:
+    """sums[name] += x^T x over the rows of x (..., d), in place: no (d, d) temporary per batch."""
+    x2 = x.detach().float().reshape(-1, x.shape[-1])
+    acc = sums.get(name)
+    if acc is None:
+        sums[name] = x2.T @ x2
+    else:
+        acc.addmm_(x2.T, x2)
 
 
 def layer_hessians(runner, i: int, layer: nn.Module, fqns: list[str], hidden: list[torch.Tensor]):
@@ -115,8 +126,7 @@ def layer_hessians(runner, i: int, layer: nn.Module, fqns: list[str], hidden: li
             first = seen.setdefault(id(x), (x, name))[1]
             owner[name] = first
             if first == name:
-                x2 = x.detach().float().reshape(-1, x.shape[-1])
-                sums[name] = sums.get(name, 0) + x2.T @ x2
+                _add_outer(sums, name, x)
         hooks.append(mod.register_forward_pre_hook(pre))
     outs, n = [], 0
     try:
@@ -149,6 +159,7 @@ def gptq_layerwise_(runner, plan: MixedPrecisionPlan, blocks: torch.Tensor, *, a
     """
     import torch
 
+    from llmcompress.io.stream import return_freed_memory
     from llmcompress.progress import track
     from llmcompress.quant.apply import QuantizedWeight
 
@@ -172,11 +183,15 @@ def gptq_layerwise_(runner, plan: MixedPrecisionPlan, blocks: torch.Tensor, *, a
             for fqn in mine:
                 cfg = targets[fqn]
                 lin = layer.get_submodule(fqn[len(prefixes[i]):])
+                # popped: a Hessian is freed once its last linear is quantized (q/k/v share one), not at the layer's end
                 q, s, z = gptq_quantize(lin.weight.data, hessians.pop(fqn), cfg.bits, cfg.group_size, act_order=act_order, sym=cfg.sym)
                 qw = QuantizedWeight(q.cpu(), s.cpu(), z.cpu(), cfg.bits, cfg.group_size, cfg.sym)
+                del q, s, z
                 with torch.no_grad():
                     lin.weight.copy_(qw.dequantize(lin.weight.dtype).to(lin.weight.device))
                 got[fqn] = qw
+                if runner.streamed:
+                    return_freed_memory()
             del hessians
             if inputs == "quantized" and mine:
                 outs = [runner.run(i, layer, h) for h in hidden]
