@@ -158,3 +158,15 @@ def test_probe_table_of_a_tiny_model_end_to_end(tmp_path, monkeypatch, bpe_token
     lin, head, layers = M.gguf_columns(path)
     assert layers == 2 and head == "Q8_0" and set(lin.values()) <= {f"Q4_0@{s}" for s in shapes}
     assert M.modeled_gguf(table, path) > 0 and M.measure_gguf(path, threads=1, repeats=2) > 0
+    # a probe file holds the (type, shape) columns its plan says (measure_table counts them from the plans)
+    shapes_of = M.model_shapes(model.config)
+    _name, kinds, head, n = M.probe_plans(shapes_of, "F32", 2, ("Q4_0", "Q8_0"))[2]
+    probe = M._probe_model(model.config, n)
+    from llmcompress.export.api import quantize_embeddings_
+
+    emb_q = quantize_embeddings_(probe)["model.embed_tokens"]
+    M.write_probe(probe, bpe_tokenizer, tmp_path / "p.gguf", kinds, head, "F32", emb_q)
+    lin, h, layers = M.gguf_columns(tmp_path / "p.gguf")
+    assert (h, layers) == (head, n)
+    assert sorted(lin.values()) == sorted(f"{t}@{shapes_of[k]}" for i in range(n) for k, t in kinds.items())
+    assert {v.split("@")[0] for v in lin.values()} == {"Q4_0", "Q8_0"}  # the plan's mix, not one type

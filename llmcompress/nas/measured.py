@@ -17,7 +17,9 @@ linear Q8_0), one per (type, shape group) with that group's linears in that type
 and one with a float output matrix. Each is run in llama-cpp-python (`n_threads` = cores,
 `OMP_WAIT_POLICY=PASSIVE` unless set): a short prompt, then tokens decoded one at a time; the runs are
 interleaved across probes (round r times every probe once, in a rotated order), so drifting load hits all
-alike, and each probe's time is the median of `repeats` rounds after a warm-up round. Costs are fitted by
+alike, and each probe's time is the fastest of `repeats` (7) rounds after a warm-up round (`stat`; on a
+shared machine the rounds are bimodal, quiet or 2-3x slower, so the median is whichever mode dominated;
+the median is recorded next to it). Costs are fitted by
 non-negative least squares (scipy.optimize.nnls when scipy is installed, else a projected-gradient
 fallback in numpy) on the probes' counts of (type, shape) linears.
 
@@ -42,7 +44,9 @@ QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 TYPE_BITS = {"Q4_0": (4, True), "Q4_1": (4, False), "Q5_0": (5, True), "Q5_1": (5, False), "Q8_0": (8, True)}
 BASE = "Q8_0"
 PROBE_LAYERS = 4
-PROMPT, DECODE, REPEATS = 32, 32, 5
+PROMPT, DECODE, REPEATS = 32, 32, 7
+STAT = "min"  # of the interleaved rounds: on shared cores the runs are bimodal (quiet, or 2-3x slower while
+# another job holds a core; measured at load 11 on 2 cores), and the fastest is the least disturbed, as for `lut`
 VERSION = 1
 KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -250,13 +254,17 @@ def machine() -> str:
     return cpu
 
 
-def table_key(cfg, ftype: str, threads: int, layers: int = PROBE_LAYERS) -> dict:
+def summarize(samples: list[float], stat: str = STAT) -> float:
+    return min(samples) if stat == "min" else statistics.median(samples)
+
+
+def table_key(cfg, ftype: str, threads: int, layers: int = PROBE_LAYERS, stat: str = STAT) -> dict:
     import llama_cpp
 
     return {"machine": machine(), "cores": os.cpu_count(), "threads": threads, "llama_cpp": llama_cpp.__version__,
             "shapes": sorted(set(model_shapes(cfg).values())), "vocab": int(cfg.vocab_size), "float": ftype,
             "tied": bool(getattr(cfg, "tie_word_embeddings", False)), "probe_layers": layers,
-            "protocol": f"prompt {PROMPT}, decode {DECODE}, median of {REPEATS}", "version": VERSION}
+            "protocol": f"prompt {PROMPT}, decode {DECODE}, {stat} of {REPEATS} interleaved rounds", "version": VERSION}
 
 
 def cache_path(key: dict) -> Path:
@@ -276,7 +284,8 @@ def load_cached(key: dict) -> dict | None:
 
 
 def measure_table(cfg, tokenizer, *, ftype: str = "BF16", threads: int | None = None, layers: int = PROBE_LAYERS,
-                  repeats: int = REPEATS, use_cache: bool = True, progress: bool = True, quant_types=QUANT_TYPES) -> dict:
+                  repeats: int = REPEATS, use_cache: bool = True, progress: bool = True, quant_types=QUANT_TYPES,
+                  stat: str = STAT) -> dict:
     """The latency table of `cfg`'s shapes on this machine (cached; see the module docstring)."""
     require_runtime()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -287,7 +296,7 @@ def measure_table(cfg, tokenizer, *, ftype: str = "BF16", threads: int | None = 
     from llmcompress.runtime import default_threads
 
     threads = threads or default_threads()
-    key = {**table_key(cfg, ftype, threads, layers), "types": [*quant_types, ftype]}
+    key = {**table_key(cfg, ftype, threads, layers, stat), "types": [*quant_types, ftype]}
     if use_cache and (hit := load_cached(key)) is not None:
         return hit
     t_start = time.time()
@@ -299,7 +308,9 @@ def measure_table(cfg, tokenizer, *, ftype: str = "BF16", threads: int | None = 
     with tempfile.TemporaryDirectory(prefix="llmcompress-probes-") as tmp:
         paths = {name: write_probe(_first_layers(model, n), tokenizer, Path(tmp) / f"{i}.gguf", kinds, head, ftype, head_q)
                  for i, (name, kinds, head, n) in enumerate(plans)}
-        cols = {name: gguf_columns(p) for name, p in paths.items()}
+        shapes = model_shapes(cfg)  # the probes' columns follow from their plans (reading 28 files back takes minutes)
+        cols = {name: ({f"blk.{i}.{k}": f"{t}@{shapes[k]}" for i in range(n) for k, t in kinds.items()}, head, n)
+                for name, kinds, head, n in plans}
         llms = open_llms(paths, threads, PROMPT + DECODE)
         try:
             samples = time_decode(llms, repeats=repeats, progress=progress)
@@ -308,11 +319,12 @@ def measure_table(cfg, tokenizer, *, ftype: str = "BF16", threads: int | None = 
                 llm.close()
     columns = sorted({c for lin, _, _ in cols.values() for c in lin.values()}) + sorted({f"fixed@{h}" for _, h, _ in cols.values()})
     X = [features(cols[n][0], cols[n][1], columns) for n in paths]
-    y = [statistics.median(samples[n]) for n in paths]
+    y = [summarize(samples[n], stat) for n in paths]
     costs = fit_table(X, y, columns)
     pred = [sum(c * costs[col] for c, col in zip(row, columns)) for row in X]
     table = {"key": key, "costs": costs, "columns": columns,
-             "probes": [{"name": n, "seconds": y[i], "samples": samples[n], "modeled": pred[i]} for i, n in enumerate(paths)],
+             "probes": [{"name": n, "seconds": y[i], "median": statistics.median(samples[n]), "samples": samples[n],
+                         "modeled": pred[i]} for i, n in enumerate(paths)],
              "fit_mape": statistics.mean(abs(p / t - 1) for p, t in zip(pred, y)),
              "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)), "seconds_taken": time.time() - t_start,
              "load_average": _loadavg()}
@@ -342,7 +354,7 @@ def modeled_gguf(table: dict, path: Path) -> float:
     return modeled_seconds(table, lin, head)
 
 
-def measure_gguf(path: Path, *, threads: int | None = None, repeats: int = REPEATS) -> float:
+def measure_gguf(path: Path, *, threads: int | None = None, repeats: int = REPEATS, stat: str = STAT) -> float:
     """Measured seconds per decoded token of one GGUF (the table's protocol)."""
     from llmcompress.runtime import default_threads
 
@@ -350,7 +362,7 @@ def measure_gguf(path: Path, *, threads: int | None = None, repeats: int = REPEA
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     llms = open_llms({"m": Path(path)}, threads or default_threads(), PROMPT + DECODE)
     try:
-        return statistics.median(time_decode(llms, repeats=repeats, progress=False)["m"])
+        return summarize(time_decode(llms, repeats=repeats, progress=False)["m"], stat)
     finally:
         llms["m"].close()
 
