@@ -258,13 +258,13 @@ def summarize(samples: list[float], stat: str = STAT) -> float:
     return min(samples) if stat == "min" else statistics.median(samples)
 
 
-def table_key(cfg, ftype: str, threads: int, layers: int = PROBE_LAYERS, stat: str = STAT) -> dict:
+def table_key(cfg, ftype: str, threads: int, layers: int = PROBE_LAYERS, stat: str = STAT, repeats: int = REPEATS) -> dict:
     import llama_cpp
 
     return {"machine": machine(), "cores": os.cpu_count(), "threads": threads, "llama_cpp": llama_cpp.__version__,
             "shapes": sorted(set(model_shapes(cfg).values())), "vocab": int(cfg.vocab_size), "float": ftype,
             "tied": bool(getattr(cfg, "tie_word_embeddings", False)), "probe_layers": layers,
-            "protocol": f"prompt {PROMPT}, decode {DECODE}, {stat} of {REPEATS} interleaved rounds", "version": VERSION}
+            "protocol": f"prompt {PROMPT}, decode {DECODE}, {stat} of {repeats} interleaved rounds", "version": VERSION}
 
 
 def cache_path(key: dict) -> Path:
@@ -296,7 +296,7 @@ def measure_table(cfg, tokenizer, *, ftype: str = "BF16", threads: int | None = 
     from llmcompress.runtime import default_threads
 
     threads = threads or default_threads()
-    key = {**table_key(cfg, ftype, threads, layers, stat), "types": [*quant_types, ftype]}
+    key = {**table_key(cfg, ftype, threads, layers, stat, repeats), "types": [*quant_types, ftype]}
     if use_cache and (hit := load_cached(key)) is not None:
         return hit
     t_start = time.time()
