@@ -41,7 +41,7 @@ def nas_command(
     baselines: Annotated[Optional[str], typer.Option("--baselines", help="Extra modes for the report, e.g. sequential,uniform ('' for none).")] = None,
     bits: Annotated[Optional[str], typer.Option("--bits", help="Bit widths to choose from (default 2,3,4,8,16).")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", help="Quantization group size (default: 128 if it divides all widths, else 64...).")] = None,
-    cost_model: Annotated[Optional[CostModel], typer.Option("--cost-model", help="analytic (bytes per decoded token, default) | lut (decode time measured here).")] = None,
+    cost_model: Annotated[Optional[CostModel], typer.Option("--cost-model", help="analytic (bytes per decoded token, default) | lut (torch decode time measured here) | measured (llama.cpp decode time of the GGUF, probe table timed here; needs pip install -e .[runtime]).")] = None,
     quant_method: Annotated[Optional[QuantMethod], typer.Option("--quant", help="How the plan is applied: gptq (default, error compensation) | rtn.")] = None,
     train_tokens: Annotated[Optional[int], typer.Option("--train-tokens", help="Search tokens (default 16384).")] = None,
     eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="WikiText-2 test tokens for the report (0 skips).")] = None,

@@ -24,6 +24,7 @@ class Mode(str, Enum):
 class CostModel(str, Enum):
     LUT = "lut"
     ANALYTIC = "analytic"
+    MEASURED = "measured"
 
 
 class QuantMethod(str, Enum):
@@ -54,8 +55,10 @@ class NasConfig:
         width_choices: MLP intermediate widths as fractions of the dense width (channels ranked by
             importance, so a narrower choice is a prefix of a wider one).
         allow_skip: a decoder layer may be skipped; min_keep_frac: fewest layers kept (fraction).
-        cost_model: lut (decode time per choice measured on this machine) or analytic (bytes moved per
-            decoded token). Both are relative to the dense float16 model.
+        cost_model: lut (decode time per choice measured on this machine in torch), analytic (bytes moved per
+            decoded token) or measured (seconds per decoded token of the GGUF export in llama.cpp, from probe
+            GGUFs timed on this machine and cached; needs llama-cpp-python and bits in 4, 5, 8, 16;
+            nas/measured.py). All are relative to the dense float model.
         context_len: KV-cache length assumed by the cost models.
         train_tokens, seq_len, batch_size: search data (steps = train_tokens / (seq_len * batch_size)).
         search_steps: gradient steps of the logits (None: one per batch of the search data; 0: no gradient
@@ -171,6 +174,14 @@ class NasConfig:
             raise UserError("no width choices given", "e.g. width_choices: [0.25, 0.5, 0.75, 1.0]")
         if self.cost_model not in COST_MODELS:
             raise UserError(f"unknown cost model {self.cost_model!r}", f"use one of {', '.join(COST_MODELS)}")
+        if self.cost_model == CostModel.MEASURED.value:
+            from llmcompress.nas.measured import require_runtime
+
+            require_runtime()
+            bad = sorted(b for b in set(self.bits) if b not in (4, 5, 8, 16))
+            if bad:
+                raise UserError(f"--cost-model measured has no llama.cpp type for {bad}-bit layers (no ggml block of 32)",
+                                "search with --bits 4,8,16 (or 4,5,8,16)")
         if self.quant_method not in {m.value for m in QuantMethod}:
             raise UserError(f"unknown quantization method {self.quant_method!r}", "use rtn or gptq")
         if self.train_tokens < self.seq_len * self.batch_size:

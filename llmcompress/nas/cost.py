@@ -9,6 +9,9 @@ choice distributions are exact and differentiable:
   Per-layer and fixed times come from timing the real model's decode with all and with half the layers.
   B = 1: this CPU build has no low-bit kernels (weights are dequantized and run in float32), so bit width
   does not change measured time here. The lut is saved to `lut.json` in the run directory.
+* measured (nas/measured.py): seconds per decoded token in llama.cpp of the GGUF export, from a table of
+  probe GGUFs timed on this machine: C[lin][b] = time of that linear's shape in the ggml type of b bits
+  (width-free: GGUF exports zero-pad MLPs), fixed = the float output matrix and the rest.
 * analytic: bytes read per decoded token (memory-bound decode): A = weight count at that width,
   B = (bits + (16 + bits) / group_size) / 8 bytes per weight (packed ints + fp16 scale + packed zero;
   2 bytes for a 16-bit choice, which stays float16),
@@ -19,7 +22,7 @@ Latencies are relative to the dense float16 model under the same model.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmcompress.nas.space import Arch, SearchSpace
@@ -30,18 +33,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class Additive:
-    """fixed + sum_l keep_l * (layer_const + sum_lin A[lin][w_l] * B[b])."""
+    """fixed + sum_l keep_l * (layer_const + sum_lin (A[lin][w_l] * B[b] + C[lin][b]))."""
 
     fixed: float
     layer_const: float
     A: dict[str, list[float]]  # linear name -> value per width index
     B: list[float]  # per bits index
+    C: dict[str, list[float]] | None = field(default=None)  # linear name -> value per bits index (width-free)
 
     def of(self, space: SearchSpace, arch: Arch) -> float:
         total = self.fixed
         for i in range(space.n_layers):
             if arch.keep[i]:
                 total += self.layer_const + sum(self.A[n][arch.width[i]] * self.B[b] for n, b in zip(space.linears, arch.bits[i]))
+                if self.C is not None:
+                    total += sum(self.C[n][b] for n, b in zip(space.linears, arch.bits[i]))
         return total
 
     def expected(self, space: SearchSpace, p_keep, p_width, p_bits) -> torch.Tensor:
@@ -53,6 +59,9 @@ class Additive:
         ea = p_width @ A.T  # (L, n_lin)
         eb = p_bits @ B  # (L, n_lin)
         per_layer = self.layer_const + (ea * eb).sum(-1)
+        if self.C is not None:
+            C = torch.tensor([self.C[n] for n in space.linears], dtype=torch.float32)  # (n_lin, nb)
+            per_layer = per_layer + (p_bits * C).sum((-1, -2))
         return self.fixed + (p_keep * per_layer).sum()
 
 
@@ -71,6 +80,7 @@ class CostModels:
 
     def __init__(self, space: SearchSpace, latency: Additive, latency_dense: float, size: Additive, kind: str, lut: dict | None = None):
         self.space, self.latency, self.latency_dense, self.size, self.kind, self.lut = space, latency, latency_dense, size, kind, lut
+        self.table: dict | None = None  # the llama.cpp latency table of kind "measured"
         numel = _numel_table(space)
         self.bits_num = Additive(0.0, 0.0, numel, [float(b) for b in space.bits])
         self.bits_den = Additive(0.0, 0.0, numel, [1.0] * len(space.bits))
@@ -213,8 +223,19 @@ def lut_latency(space: SearchSpace, lut: dict) -> tuple[Additive, float]:
     return model_, dense
 
 
-def build_cost_models(model, space: SearchSpace, kind: str, context_len: int, lut: dict | None = None) -> CostModels:
-    """Cost models for `kind` ("lut" measures the table unless given one)."""
+def build_cost_models(model, space: SearchSpace, kind: str, context_len: int, lut: dict | None = None, *,
+                      tokenizer=None, float_dtype: str = "bfloat16") -> CostModels:
+    """Cost models for `kind` ("lut" measures the table unless given one; "measured" reads the cached
+    llama.cpp table or measures it, with `tokenizer` for the probe GGUFs)."""
+    if kind == "measured":
+        from llmcompress.nas import measured as M
+
+        ftype = M.float_type(float_dtype)
+        table = M.measure_table(model.config, tokenizer, ftype=ftype)
+        lat, dense = M.measured_latency(model, space, table, ftype)
+        cm = CostModels(space, lat, dense, size_model(model, space), kind, None)
+        cm.table = table
+        return cm
     if kind == "lut":
         lut = lut or measure_lut(model, space, context_len)
         lat, dense = lut_latency(space, lut)

@@ -11,7 +11,7 @@ from llmcompress.nas.config import NasConfig
 
 log = logging.getLogger("llmcompress")
 
-STALE = ("search_log.jsonl", "lut.json", "search_state_*.json", "search_state_*.safetensors", "search_state_*.pt", "refine_*.json")  # removed by --overwrite (io/rundir.py)
+STALE = ("search_log.jsonl", "lut.json", "latency_table.json", "search_state_*.json", "search_state_*.safetensors", "search_state_*.pt", "refine_*.json")  # removed by --overwrite (io/rundir.py)
 
 
 @dataclass
@@ -64,13 +64,26 @@ def _row(name, space, result, extra) -> dict:
             "modeled_latency": result.metrics["latency"], **extra}
 
 
-def _cost_models(model, space, cfg, out: Path, resume: bool):
-    """The cost models (a measured LUT is reused on --resume; the caller saves it once the data has loaded)."""
+def _cost_models(model, space, cfg, out: Path, resume: bool, tokenizer=None, float_dtype: str = "bfloat16"):
+    """The cost models (a measured LUT is reused on --resume; the caller saves it once the data has loaded;
+    the llama.cpp table of `measured` is cached by nas/measured.py)."""
     from llmcompress.nas.cost import build_cost_models
 
     lut_path = out / "lut.json"
     lut = json.loads(lut_path.read_text()) if (resume and cfg.cost_model == "lut" and lut_path.is_file()) else None
-    return build_cost_models(model, space, cfg.cost_model, cfg.context_len, lut)
+    return build_cost_models(model, space, cfg.cost_model, cfg.context_len, lut, tokenizer=tokenizer, float_dtype=float_dtype)
+
+
+def _runtime_check(gguf_path: Path, costs, arch) -> dict:
+    """Modeled (the measured table) vs measured (llama.cpp) seconds per decoded token of the exported GGUF."""
+    from llmcompress.nas import measured as M
+
+    modeled = costs.latency.of(costs.space, arch)
+    from_file = M.modeled_gguf(costs.table, gguf_path)
+    got = M.measure_gguf(gguf_path)
+    return {"modeled_ms_per_token": modeled * 1e3, "modeled_from_file_ms_per_token": from_file * 1e3,
+            "measured_ms_per_token": got * 1e3, "error": modeled / got - 1, "load_average": M._loadavg(),
+            "protocol": costs.table["key"]["protocol"]}
 
 
 def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool = False, device: str = "cpu", dtype=None) -> NasRun:
@@ -103,12 +116,14 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
 
     save_dtype = save_dtype_for(lm, cfg.save_dtype)
     sym8 = "gguf" in cfg.export
-    costs = _cost_models(teacher, space, cfg, out, resume)
+    costs = _cost_models(teacher, space, cfg, out, resume, tok, save_dtype)
     S.check_reachable(costs, cfg)
     blocks, held_out = search_blocks(tok, cfg)  # bad data fails here, before anything is written to --out
     blocks, held_out = blocks.to(dev), (held_out.to(dev) if held_out is not None else None)
     if costs.lut is not None:
         write_json(out / "lut.json", costs.lut)
+    if costs.table is not None:
+        write_json(out / "latency_table.json", costs.table)
     imp = mlp_channel_importance(teacher, blocks[: min(8, len(blocks))])
     permute_mlp_(teacher, [i.argsort(descending=True, stable=True) for i in imp])
     # one quantizer for the whole run: the supernet, the sensitivities, the validated step and the export
@@ -154,10 +169,19 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
             summary["exports"] = {f: {"path": r["path"], "bytes": r["bytes"], **({"note": r["note"]} if "note" in r else {})}
                                   for f, r in exports.items()}
             notes += [f"{f}: {r['note']}" for f, r in exports.items() if "note" in r]
+            if "gguf" in exports and costs.table is not None:
+                summary["runtime_latency"] = rt = _runtime_check(Path(exports["gguf"]["path"]), costs, res.arch)
+                notes.append(f"gguf in llama.cpp: modeled {rt['modeled_ms_per_token']:.2f} ms/token, measured "
+                             f"{rt['measured_ms_per_token']:.2f} ms/token ({rt['error']:+.1%}; {rt['protocol']}, load {rt['load_average']})")
             primary = summary
         else:
             write_json(out / "baselines" / f"{mode}.json", summary)
         del model, qweights
+    if costs.table is not None:
+        t = costs.table
+        notes.insert(0, f"latency table (measured cost model): {len(t['probes'])} probe GGUFs timed in llama.cpp "
+                        f"{t['measured_at']} ({t['key']['machine']}, {t['key']['threads']} threads, load {t['load_average']}), "
+                        f"fit error {t['fit_mape']:.1%} on the probes; dense float model modeled at {costs.latency_dense * 1e3:.2f} ms/token")
     arch = {**primary, "cost_model": cfg.cost_model, "targets": cfg.targets(), "group_size": space.group_size,
             "bits_choices": space.bits, "mlp_widths_choices": space.widths, "config": cfg.to_dict(),
             "baselines": {m: {k: v for k, v in s.items() if k not in ("plan",)} for m, s in summaries.items() if m != cfg.mode},
