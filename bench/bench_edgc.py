@@ -372,6 +372,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE))
     ap.add_argument("--work", default="/tmp/bench_edgc")
     ap.add_argument("--reuse", action="store_true", help="take every arm already stored in --work/seedS instead of rerunning it")
+    ap.add_argument("--report-only", action="store_true", help="run nothing: report the arms stored in --work/seedS")
+    ap.add_argument("--note", default="", help="a paragraph for the report's header (e.g. which invocations ran the arms)")
     ap.add_argument("--no-write", action="store_true", help="print, do not write bench/RESULTS-edgc.*")
     a = ap.parse_args()
     try:
@@ -395,7 +397,9 @@ def main() -> None:
         results = {}
         for arm in arms:
             f = sw / f"{arm}.json"
-            if a.reuse and f.is_file():
+            if a.report_only and not f.is_file():
+                continue
+            if (a.reuse or a.report_only) and f.is_file():
                 results[arm] = json.loads(f.read_text())
                 print(f"seed {seed} {arm}: reused {f}", flush=True)
                 continue
@@ -426,6 +430,8 @@ def main() -> None:
              "weights, the order of the training blocks and PowerSGD's random vectors, the same for every arm.", "",
              "Monitor share = time in EDGC's entropy sampling and window bookkeeping / step time, both measured inside the same steps "
              "of the same run (so load hits numerator and denominator alike).", ""]
+    if a.note:
+        lines += [a.note, ""]
     if post_hoc:
         lines += [f"Post hoc: {', '.join(sorted(post_hoc))} chosen after seeing seed {seeds[0]}'s results; seeds {','.join(map(str, seeds[1:]))} "
                   "are held out for it.", ""]
