@@ -6,7 +6,13 @@ vocabulary cut to the `--vocab` most frequent training tokens plus one UNK id: a
 bytes (counted exactly by llmcompress.comm.edgc) and measured compute: loopback is too fast for wall-clock
 gains to show.
 
-    python bench/bench_edgc.py [--steps 300] [--arms none,zip,psgd2,...,edgc]
+    python bench/bench_edgc.py [--steps 300] [--seeds 0,1,2] [--arms none,zip,psgd2,...,edgc] [--zip-steps 60]
+
+`--seeds`: each seed draws its own initial weights, order of the training blocks and PowerSGD random vectors
+(the same for every arm of that seed); goals are judged per seed. Every compressed arm (fixed-rank PowerSGD
+and EDGC) sends plain all-reduces for the same `--start` (2) warm-up steps. Arm `edgcN` is EDGC with r_max N.
+`--zip-steps N` stops the (slow) lossless arm after N of the `--steps`-step schedule: its final weights are
+compared with plain all-reduce's at the same step, its bytes per step with plain's over those steps.
 
 Writes bench/RESULTS-edgc.{json,md} and bench/RESULTS-edgc-trace.png (EDGC's rank and entropy over the steps).
 """
@@ -30,6 +36,25 @@ ARMS = ["none", "zip", "psgd2", "psgd4", "psgd8", "psgd16", "psgd32", "edgc"]
 MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=128, tie_word_embeddings=True)
 EDGC = dict(r_min=2, r_max=32, window=10, sample_every=2, sample_fraction=0.02, max_step=4)
+
+
+def arm_kwargs(arm: str, args: dict) -> tuple[str, dict]:
+    """(scheme, GradCompression keyword arguments) of an arm: none, zip, psgdR (rank R), edgc or edgcN (r_max N)."""
+    if arm.startswith("psgd"):
+        return "powersgd", dict(rank=int(arm[4:]), start_iter=args["start"], seed=args["seed"])
+    if arm.startswith("edgc"):
+        kw = dict(EDGC, start_iter=args["start"], entropy_span=args["span"], seed=args["seed"])
+        if arm != "edgc":
+            kw["r_max"] = int(arm[4:])
+        return "edgc", kw
+    return arm, {}
+
+
+def weights_sha(model) -> str:
+    import hashlib
+
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
 
 
 def prepare(vocab: int, work: Path) -> Path:
@@ -63,20 +88,21 @@ def worker(rank: int, world: int, port: int, arm: str, args: dict, out: str) -> 
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     data = torch.load(args["data"])
-    torch.manual_seed(0)
+    torch.manual_seed(args["seed"])
     cfg = transformers.LlamaConfig(vocab_size=args["vocab"], **MODEL)
     model = transformers.LlamaForCausalLM(cfg)
-    scheme = "powersgd" if arm.startswith("psgd") else arm
-    comp = GradCompression(scheme, model, rank=int(arm[4:]) if arm.startswith("psgd") else 8, start_iter=args["start"],
-                           entropy_span=args["span"], **EDGC)
+    scheme, kw = arm_kwargs(arm, args)
+    comp = GradCompression(scheme, model, **kw)
     ddp = DDP(model)
     comp.register(ddp, timed=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
     T, B, steps = args["seq"], args["batch"], args["steps"]
     blocks = data["train"][: (len(data["train"]) // T) * T].view(-1, T)
+    blocks = blocks[torch.randperm(len(blocks), generator=torch.Generator().manual_seed(args["seed"]))]  # the seed's order
     per = B // world
-    recs = []
-    for step in range(steps):
+    stop = args["zip_steps"] if arm == "zip" else steps
+    recs, sha_at = [], {}
+    for step in range(stop):
         warm = 20
         lr = args["lr"] * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
         for g in opt.param_groups:
@@ -96,17 +122,20 @@ def worker(rank: int, world: int, port: int, arm: str, args: dict, out: str) -> 
         rec.update(step=step, loss=float(lv) / world, step_s=step_s, hook_s=comp.hook_s - h0,
                    monitor_s=(comp.psgd.monitor_s - m0) if comp.psgd else 0.0)
         recs.append(rec)
+        if rank == 0 and step + 1 == args["zip_steps"]:
+            sha_at[str(step + 1)] = weights_sha(model)
     ppl = None
     if rank == 0:
-        model.eval()
-        test = data["test"][: (min(len(data["test"]), args["eval_tokens"]) // T) * T].view(-1, T)
-        with torch.no_grad():
-            nll = [model(input_ids=test[i : i + 8], labels=test[i : i + 8], use_cache=False).loss.item() for i in range(0, len(test), 8)]
-        ppl = math.exp(sum(nll) / len(nll))
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        res = {"arm": arm, "recs": recs, "summary": comp.summary(), "ppl": ppl, "params": sum(p.numel() for p in model.parameters()),
+        if stop == steps:
+            model.eval()
+            test = data["test"][: (min(len(data["test"]), args["eval_tokens"]) // T) * T].view(-1, T)
+            with torch.no_grad():
+                nll = [model(input_ids=test[i : i + 8], labels=test[i : i + 8], use_cache=False).loss.item() for i in range(0, len(test), 8)]
+            ppl = math.exp(sum(nll) / len(nll))
+        res = {"arm": arm, "seed": args["seed"], "recs": recs, "summary": comp.summary(), "ppl": ppl,
+               "params": sum(p.numel() for p in model.parameters()),
                "matrix_params": sum(p.numel() for p in model.parameters() if id(p) in comp.matrix_ids),
-               "weights_sha": __import__("hashlib").sha256(flat.numpy().tobytes()).hexdigest()[:16]}
+               "weights_sha": weights_sha(model), "sha_at": sha_at}
         if comp.psgd is not None:
             res["rank_trace"], res["entropy_trace"] = comp.psgd.rank_trace, comp.psgd.entropy_trace
         Path(out, f"{arm}.json").write_text(json.dumps(res))
@@ -120,10 +149,12 @@ def run_arm(arm: str, args: dict, out: Path) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     mp.spawn(worker, args=(2, port, arm, args, str(out)), nprocs=2, join=True)
     res = json.loads((out / f"{arm}.json").read_text())
     res["wall_s"] = time.perf_counter() - t0
+    res["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]  # 1-minute load average before and after
     return res
 
 
@@ -142,161 +173,284 @@ def bytes_to_reach(recs: list[dict], target: float, key: str = "comm_bytes", k: 
     return None
 
 
+def arm_order(arms) -> list[str]:
+    extra = sorted((a for a in arms if a not in ARMS), key=lambda a: (not a.startswith("edgc"), a))
+    return [a for a in ARMS if a in arms] + extra
+
+
 def analyse(results: dict[str, dict], args: dict) -> dict:
+    """One seed's table: loss, bytes (whole run and to the target loss), compute, break-even link, monitor share."""
     plain = results["none"]
     f_plain = final_loss(plain["recs"])
     target = f_plain * 1.01
-    n = len(plain["recs"])
-    lo_bw = sum(r["comm_bytes"] for r in plain["recs"]) / max(1e-9, sum(r["hook_s"] for r in plain["recs"]))  # loopback B/s
+    prec = plain["recs"]
+    lo_bw = sum(r["comm_bytes"] for r in prec) / max(1e-9, sum(r["hook_s"] for r in prec))  # loopback B/s
+
+    def per_step(recs, key):
+        return sum(r[key] for r in recs) / len(recs)
+
     rows = {}
-    for arm in [x for x in ARMS if x in results]:
+    for arm in arm_order(results):
         res = results[arm]
         recs = res["recs"]
+        n = len(recs)
+        full = n == len(prec)
         tot = sum(r["comm_bytes"] for r in recs)
         mat = sum(r["comm_matrix_bytes"] for r in recs)
-        hook = sum(r["hook_s"] for r in recs) / n
+        base = prec[:n]  # plain over the same steps (the zip arm may stop early)
+        hook = per_step(recs, "hook_s")
         compute = max(0.0, hook - tot / n / lo_bw)  # time in the hook that is not moving bytes over loopback
-        compute_plain = max(0.0, sum(r["hook_s"] for r in plain["recs"]) / n - sum(r["comm_bytes"] for r in plain["recs"]) / n / lo_bw)
-        saved = (sum(r["comm_bytes"] for r in plain["recs"]) - tot) / n
+        compute_plain = max(0.0, per_step(base, "hook_s") - per_step(base, "comm_bytes") / lo_bw)
+        saved = per_step(base, "comm_bytes") - tot / n
         extra = compute - compute_plain
         be = (saved / extra / 1e6) if extra > 0 and saved > 0 else (float("inf") if saved > 0 else None)
         step_s = sum(r["step_s"] for r in recs)
+        sha_ref = plain.get("sha_at", {}).get(str(n)) if not full else plain["weights_sha"]
         rows[arm] = {
-            "final_loss": final_loss(recs), "ppl": res["ppl"], "bytes_total": tot, "bytes_matrices": mat,
-            "bytes_to_target": bytes_to_reach(recs, target), "matrix_bytes_to_target": bytes_to_reach(recs, target, "comm_matrix_bytes"),
+            "steps": n, "final_loss": final_loss(recs) if full else None, "ppl": res["ppl"], "bytes_total": tot,
+            "bytes_matrices": mat, "matrix_ratio": sum(r["comm_matrix_bytes"] for r in base) / mat if mat else None,
+            "total_ratio": sum(r["comm_bytes"] for r in base) / tot if tot else None,
+            "bytes_to_target": bytes_to_reach(recs, target) if full else None,
+            "matrix_bytes_to_target": bytes_to_reach(recs, target, "comm_matrix_bytes") if full else None,
             "hook_s_per_step": hook, "compute_s_per_step": compute, "break_even_MBps": be,
-            "monitor_share": sum(r["monitor_s"] for r in recs) / step_s if step_s else 0.0,
-            "step_s": step_s / n, "weights_sha": res["weights_sha"], "final_rank": res["summary"].get("final_rank"),
-            "rank_changes": len(res["summary"].get("rank_changes", [])), "wall_s": res["wall_s"],
+            "monitor_s": sum(r["monitor_s"] for r in recs), "monitor_share": sum(r["monitor_s"] for r in recs) / step_s if step_s else 0.0,
+            "step_s": step_s / n, "weights_sha": res["weights_sha"], "same_bits_as_plain": res["weights_sha"] == sha_ref,
+            "final_rank": res["summary"].get("final_rank"), "mean_rank": mean_rank(res.get("rank_trace")),
+            "rank_changes": len(res["summary"].get("rank_changes", [])), "wall_s": res.get("wall_s"), "load": res.get("load"),
         }
-    return {"target_loss": target, "plain_final_loss": f_plain, "loopback_MBps": lo_bw / 1e6, "rows": rows}
+    return {"seed": args["seed"], "target_loss": target, "plain_final_loss": f_plain, "loopback_MBps": lo_bw / 1e6, "rows": rows}
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
+def mean_rank(trace) -> float | None:
+    xs = [r for r in trace or [] if r is not None]
+    return sum(xs) / len(xs) if xs else None
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 3.8))
-    for arm, res in results.items():
-        cum, xs, ys = 0, [], []
-        for r in res["recs"]:
-            cum += r["comm_matrix_bytes"]
-            xs.append(cum / 1e6)
-        k = 10
-        ys = [sum(x["loss"] for x in res["recs"][max(0, i - k + 1) : i + 1]) / min(k, i + 1) for i in range(len(res["recs"]))]
-        a.plot(xs, ys, label=arm, lw=1)
-    a.set_xscale("log")
-    a.set_xlabel("cumulative bytes sent per rank, matrices (MB, log)")
-    a.set_ylabel("training loss (10-step mean)")
-    a.legend(fontsize=7)
-    e = results.get("edgc")
-    if e:
-        rt, et = e["rank_trace"], e["entropy_trace"]
-        xs = [i for i, r in enumerate(rt) if r is not None]
-        b.step(xs, [rt[i] for i in xs], where="post", color="tab:blue")
-        b.set_xlabel("step")
-        b.set_ylabel("EDGC rank", color="tab:blue")
-        b2 = b.twinx()
-        es = [(i, h) for i, h in enumerate(et) if h is not None]
-        b2.plot([i for i, _ in es], [h for _, h in es], ".", ms=3, color="tab:orange")
-        b2.set_ylabel("reduced-gradient entropy (bits)", color="tab:orange")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def judge(an: dict, arm: str) -> dict:
+    """The goals for one EDGC arm of one seed (numbers and met/missed)."""
+    rows = an["rows"]
+    e, p = rows[arm], rows["none"]
+    out = {"seed": an["seed"], "arm": arm, "loss_delta": e["final_loss"] / p["final_loss"] - 1, "matrix_ratio": e["matrix_ratio"],
+           "total_ratio": e["total_ratio"], "monitor_share": e["monitor_share"], "mean_rank": e["mean_rank"]}
+    out["loss_met"] = e["final_loss"] <= an["target_loss"]
+    out["ratio_met"] = e["matrix_ratio"] >= 10
+    out["monitor_met"] = e["monitor_share"] <= 0.03
+    reach = {a: r for a, r in rows.items() if a.startswith("psgd") and r["final_loss"] <= an["target_loss"]}
+    if reach:
+        cheapest = min(reach, key=lambda a: reach[a]["bytes_matrices"])
+        out["cheapest"] = cheapest
+        out["cut"] = 1 - e["bytes_matrices"] / reach[cheapest]["bytes_matrices"]
+        out["cut_met"] = out["cut"] >= 0.3 and out["loss_met"]
+    else:
+        out["cheapest"], out["cut"], out["cut_met"] = None, None, None
+    if "zip" in rows:
+        out["zip_identical"] = rows["zip"]["same_bits_as_plain"]
+        out["zip_steps"] = rows["zip"]["steps"]
+    return out
 
 
 def fmt_bytes(b) -> str:
     return "not reached" if b is None else f"{b / 1e6:,.2f} MB"
 
 
-def report(an: dict, args: dict, results: dict) -> str:
-    rows = an["rows"]
-    lines = ["# EDGC benchmark", "", f"`python bench/bench_edgc.py --steps {args['steps']}`, {_dt.date.today()}, 2 gloo processes "
-             f"(torch.set_num_threads(1) each) on 2 shared CPU cores; reduced LLaMA {MODEL} with vocab {args['vocab']} "
-             f"({results['none']['params']:,} parameters, {results['none']['matrix_params']:,} in decoder matrices); trained on WikiText-2 valid, perplexity on test, "
-             f"global batch {args['batch']} x {args['seq']} tokens, AdamW lr {args['lr']}, dense warm-up {args['start']} steps for PowerSGD/EDGC.",
-             "", f"Target loss = plain all-reduce's final loss x 1.01 = {an['target_loss']:.4f}. Loopback all-reduce measured at "
-             f"{an['loopback_MBps']:.0f} MB/s (used to split hook time into transfer and compute).", "",
-             "| arm | final loss | WikiText-2 ppl | bytes, matrices | bytes, whole model | matrix bytes to target | bytes to target | compute/step (ms) | break-even link (MB/s) | monitor share | final rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for arm, r in rows.items():
+def mark(ok) -> str:
+    return "-" if ok is None else ("met" if ok else "MISSED")
+
+
+def seed_table(an: dict) -> list[str]:
+    lines = [f"Seed {an['seed']}: target loss = plain all-reduce's final loss x 1.01 = {an['target_loss']:.4f}; loopback all-reduce "
+             f"measured at {an['loopback_MBps']:.0f} MB/s (splits hook time into transfer and compute).", "",
+             "| arm | steps | final loss | WikiText-2 ppl | bytes, matrices | reduction (matrices) | bytes, whole model | "
+             "matrix bytes to target | compute/step (ms) | break-even link (MB/s) | monitor share | mean / final rank | load (1-min, before/after) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, r in an["rows"].items():
         be = r["break_even_MBps"]
         bes = "-" if be is None else ("any" if be == float("inf") else f"{be:,.0f}")
-        lines.append(f"| {arm} | {r['final_loss']:.4f} | {r['ppl']:.1f} | {fmt_bytes(r['bytes_matrices'])} | {fmt_bytes(r['bytes_total'])} | "
-                     f"{fmt_bytes(r['matrix_bytes_to_target'])} | {fmt_bytes(r['bytes_to_target'])} | {1e3 * r['compute_s_per_step']:.1f} | {bes} | "
-                     f"{100 * r['monitor_share']:.2f}% | {r['final_rank'] if r['final_rank'] is not None else '-'} |")
-    return "\n".join(lines) + "\n"
+        fl = "-" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
+        ppl = "-" if r["ppl"] is None else f"{r['ppl']:.1f}"
+        rk = "-" if r["final_rank"] is None else f"{r['mean_rank']:.1f} / {r['final_rank']}"
+        ld = "-" if not r.get("load") else f"{r['load'][0]:.1f} / {r['load'][1]:.1f}"
+        lines.append(f"| {arm} | {r['steps']} | {fl} | {ppl} | {fmt_bytes(r['bytes_matrices'])} | {r['matrix_ratio']:.2f}x | "
+                     f"{fmt_bytes(r['bytes_total'])} | {fmt_bytes(r['matrix_bytes_to_target']) if r['steps'] == an['rows']['none']['steps'] else '-'} | "
+                     f"{1e3 * r['compute_s_per_step']:.1f} | {bes} | {100 * r['monitor_share']:.2f}% | {rk} | {ld} |")
+    return lines
 
 
-def goals(an: dict) -> list[str]:
-    rows = an["rows"]
-    out = []
-    if "edgc" in rows:
-        e, p = rows["edgc"], rows["none"]
-        out.append(f"EDGC final loss within 1% of plain: {e['final_loss']:.4f} vs {p['final_loss']:.4f} "
-                   f"({100 * (e['final_loss'] / p['final_loss'] - 1):+.2f}%) -> {'met' if e['final_loss'] <= p['final_loss'] * 1.01 else 'missed'}")
-        ratio = p["bytes_matrices"] / e["bytes_matrices"]
-        out.append(f"EDGC matrix bytes >= 10x below plain: {ratio:.1f}x -> {'met' if ratio >= 10 else 'missed'}")
-        reach = {a: r for a, r in rows.items() if a.startswith("psgd") and r["final_loss"] <= an["target_loss"]}
-        if reach:
-            cheapest = min(reach, key=lambda a: reach[a]["bytes_matrices"])
-            cut = 1 - e["bytes_matrices"] / reach[cheapest]["bytes_matrices"]
-            out.append(f"EDGC matrix bytes >= 30% below the cheapest fixed-rank PowerSGD reaching the target ({cheapest}): {100 * cut:.0f}% -> "
-                       f"{'met' if cut >= 0.3 else 'missed'}")
-        else:
-            out.append("no fixed-rank PowerSGD arm reached the target loss (within 1% of plain)")
-        out.append(f"monitoring overhead <= 3% of step time: {100 * e['monitor_share']:.2f}% -> {'met' if e['monitor_share'] <= 0.03 else 'missed'}")
-    if "zip" in rows:
-        same = rows["zip"]["weights_sha"] == rows["none"]["weights_sha"]
-        out.append(f"zip bit-identical to plain (final weights sha256): {'met' if same else 'missed'}")
-    return out
+def goal_table(judged: list[dict], post_hoc: set[str]) -> list[str]:
+    lines = ["| seed | arm | final loss vs plain (<= +1%) | matrix bytes vs plain (>= 10x) | whole-model bytes | "
+             "vs cheapest fixed rank reaching the target (>= 30% fewer) | monitor share (<= 3%) | mean rank | zip bit-identical |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for j in judged:
+        cut = "no fixed rank reached the target" if j["cheapest"] is None else f"{j['cheapest']}: {100 * j['cut']:+.0f}% fewer, {mark(j['cut_met'])}"
+        z = "-" if "zip_identical" not in j else f"{'yes' if j['zip_identical'] else 'NO'} ({j['zip_steps']} steps)"
+        arm = j["arm"] + (" (post hoc)" if j["arm"] in post_hoc else "")
+        lines.append(f"| {j['seed']} | {arm} | {100 * j['loss_delta']:+.2f}%, {mark(j['loss_met'])} | {j['matrix_ratio']:.1f}x, "
+                     f"{mark(j['ratio_met'])} | {j['total_ratio']:.1f}x | {cut} | {100 * j['monitor_share']:.2f}%, {mark(j['monitor_met'])} | "
+                     f"{j['mean_rank']:.1f} | {z} |")
+    for arm in sorted({j["arm"] for j in judged}):
+        js = [j for j in judged if j["arm"] == arm]
+        if len(js) < 2:
+            continue
+        cuts = [j["cut"] for j in js if j["cut"] is not None]
+        cut = f"{100 * sum(cuts) / len(cuts):+.0f}% (mean of {len(cuts)})" if cuts else "-"
+        lines.append(f"| mean | {arm}{' (post hoc)' if arm in post_hoc else ''} | {100 * sum(j['loss_delta'] for j in js) / len(js):+.2f}% | "
+                     f"{sum(j['matrix_ratio'] for j in js) / len(js):.1f}x | {sum(j['total_ratio'] for j in js) / len(js):.1f}x | {cut} | "
+                     f"{100 * sum(j['monitor_share'] for j in js) / len(js):.2f}% | {sum(j['mean_rank'] for j in js) / len(js):.1f} | - |")
+    return lines
+
+
+def plot(per_seed: dict[int, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = sorted(per_seed)
+    fig, axes = plt.subplots(len(seeds), 2, figsize=(12, 3.4 * len(seeds)), squeeze=False)
+    for (a, b), seed in zip(axes, seeds):
+        results = per_seed[seed]
+        for arm in arm_order(results):
+            res = results[arm]
+            cum, xs = 0, []
+            for r in res["recs"]:
+                cum += r["comm_matrix_bytes"]
+                xs.append(cum / 1e6)
+            k = 10
+            ys = [sum(x["loss"] for x in res["recs"][max(0, i - k + 1) : i + 1]) / min(k, i + 1) for i in range(len(res["recs"]))]
+            a.plot(xs, ys, label=arm, lw=1)
+        a.set_xscale("log")
+        a.set_xlabel("cumulative bytes sent per rank, matrices (MB, log)")
+        a.set_ylabel(f"seed {seed}: training loss (10-step mean)")
+        a.legend(fontsize=7)
+        b2 = b.twinx()
+        for arm in [x for x in arm_order(results) if x.startswith("edgc")]:
+            rt, et = results[arm]["rank_trace"], results[arm]["entropy_trace"]
+            xs = [i for i, r in enumerate(rt) if r is not None]
+            b.step(xs, [rt[i] for i in xs], where="post", label=f"{arm} rank")
+            es = [(i, h) for i, h in enumerate(et) if h is not None]
+            b2.plot([i for i, _ in es], [h for _, h in es], ".", ms=2, alpha=0.6)
+        b.set_xlabel("step")
+        b.set_ylabel("EDGC rank (lines)")
+        b2.set_ylabel("reduced-gradient entropy, bits (dots)")
+        b.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    from llmcompress.io.atomic import atomic_path
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core {model}"
 
 
 def main() -> None:
+    from llmcompress.comm.edgc import ENTROPY_SPAN, WARMUP
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1,2")
+    ap.add_argument("--arms", default=",".join(ARMS), help="none, zip, psgdR (rank R), edgc, edgcN (EDGC with r_max N)")
+    ap.add_argument("--zip-steps", type=int, default=None, help="stop the zip arm after this many steps (default: --steps)")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--start", type=int, default=30)
-    ap.add_argument("--span", type=float, default=0.2)
+    ap.add_argument("--start", type=int, default=WARMUP, help="dense warm-up steps of every compressed arm")
+    ap.add_argument("--span", type=float, default=ENTROPY_SPAN)
     ap.add_argument("--eval-tokens", type=int, default=16384)
+    ap.add_argument("--post-hoc", default="", help="arms whose settings were chosen after seeing results (labelled so)")
     ap.add_argument("--out", default=str(HERE))
     ap.add_argument("--work", default="/tmp/bench_edgc")
-    ap.add_argument("--reuse", action="store_true", help="report the other arms from their stored results in --work")
+    ap.add_argument("--reuse", action="store_true", help="take every arm already stored in --work/seedS instead of rerunning it")
+    ap.add_argument("--report-only", action="store_true", help="run nothing: report the arms stored in --work/seedS")
+    ap.add_argument("--note", default="", help="a paragraph for the report's header (e.g. which invocations ran the arms)")
+    ap.add_argument("--no-write", action="store_true", help="print, do not write bench/RESULTS-edgc.*")
     a = ap.parse_args()
+    try:
+        seeds = [int(x) for x in a.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
+    arms = [x for x in a.arms.split(",") if x]
+    for arm in arms:
+        if not (arm in ("none", "zip", "edgc") or (arm[:4] in ("psgd", "edgc") and arm[4:].isdigit() and int(arm[4:]) > 0)):
+            ap.error(f"unknown arm {arm!r}: none, zip, psgdR, edgc or edgcN")
+    zip_steps = a.steps if a.zip_steps is None else min(a.zip_steps, a.steps)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    args = {"steps": a.steps, "vocab": a.vocab, "seq": a.seq, "batch": a.batch, "lr": a.lr, "start": a.start, "span": a.span,
-            "eval_tokens": a.eval_tokens, "data": str(prepare(a.vocab, work))}
-    results = {}
-    if a.reuse:  # arms not in --arms: their stored results from an earlier run in --work with the same settings
-        for arm in ARMS:
-            f = work / f"{arm}.json"
-            if arm not in a.arms.split(",") and f.is_file():
+    base = {"steps": a.steps, "vocab": a.vocab, "seq": a.seq, "batch": a.batch, "lr": a.lr, "start": a.start, "span": a.span,
+            "eval_tokens": a.eval_tokens, "zip_steps": zip_steps, "data": str(prepare(a.vocab, work))}
+    per_seed, analyses, judged = {}, [], []
+    for seed in seeds:
+        args = dict(base, seed=seed)
+        sw = work / f"seed{seed}"
+        sw.mkdir(exist_ok=True)
+        results = {}
+        for arm in arms:
+            f = sw / f"{arm}.json"
+            if a.report_only and not f.is_file():
+                continue
+            if (a.reuse or a.report_only) and f.is_file():
                 results[arm] = json.loads(f.read_text())
-                results[arm].setdefault("wall_s", None)
-    for arm in a.arms.split(","):
-        results[arm] = run_arm(arm, args, work)
-        r = results[arm]
-        print(f"{arm}: final loss {final_loss(r['recs']):.4f} ppl {r['ppl']:.1f} bytes {sum(x['comm_bytes'] for x in r['recs']) / 1e6:.1f} MB "
-              f"wall {r['wall_s']:.0f}s", flush=True)
-    out = Path(a.out)
-    if "none" not in results:
+                print(f"seed {seed} {arm}: reused {f}", flush=True)
+                continue
+            results[arm] = run_arm(arm, args, sw)
+            f.write_text(json.dumps(results[arm]))  # with wall_s and load
+            r = results[arm]
+            print(f"seed {seed} {arm}: final loss {final_loss(r['recs']):.4f} bytes {sum(x['comm_bytes'] for x in r['recs']) / 1e6:.1f} MB "
+                  f"wall {r['wall_s']:.0f}s load {r['load']}", flush=True)
+        per_seed[seed] = results
+        if "none" not in results:
+            continue
+        an = analyse(results, args)
+        analyses.append(an)
+        judged += [judge(an, arm) for arm in an["rows"] if arm.startswith("edgc")]
+    if not analyses:
         return
-    an = analyse(results, args)
-    an["goals"] = goals(an)
-    an["args"] = args
-    md = report(an, args, results) + "\nGoals:\n\n" + "\n".join(f"- {g}" for g in an["goals"]) + "\n"
-    (out / "RESULTS-edgc.md").write_text(md)
-    (out / "RESULTS-edgc.json").write_text(json.dumps({"analysis": an, "traces": {k: {"loss": [r["loss"] for r in v["recs"]],
-        "rank": v.get("rank_trace"), "entropy": v.get("entropy_trace")} for k, v in results.items()}}, indent=1))  # fmt: skip
-    plot(results, out / "RESULTS-edgc-trace.png")
+    post_hoc = {x for x in a.post_hoc.split(",") if x}
+    first = per_seed[seeds[0]]["none"]
+    loads = [x for res in per_seed.values() for r in res.values() for x in (r.get("load") or [])]
+    cmd = "python bench/bench_edgc.py " + " ".join(sys.argv[1:])
+    lines = ["# EDGC benchmark", "",
+             f"`{cmd}` (under `nice -n 10`), {_dt.date.today()}, {machine()}, shared with other jobs (1-minute load average "
+             f"{min(loads):.1f}-{max(loads):.1f} across the arms); 2 gloo processes (torch.set_num_threads(1) each); reduced LLaMA {MODEL} "
+             f"with vocab {a.vocab} ({first['params']:,} parameters, {first['matrix_params']:,} in decoder matrices); trained on WikiText-2 "
+             f"valid, perplexity on test, {a.steps} steps, global batch {a.batch} x {a.seq} tokens, AdamW lr {a.lr}. Every compressed arm "
+             f"(PowerSGD at a fixed rank, EDGC) sends plain all-reduces for its first {a.start} steps (torch's start_powerSGD_iter). "
+             f"EDGC: {EDGC}, entropy span {a.span} of the peak windowed entropy. Seeds {','.join(map(str, seeds))}: each draws the initial "
+             "weights, the order of the training blocks and PowerSGD's random vectors, the same for every arm.", "",
+             "Monitor share = time in EDGC's entropy sampling and window bookkeeping / step time, both measured inside the same steps "
+             "of the same run (so load hits numerator and denominator alike).", ""]
+    if a.note:
+        lines += [a.note, ""]
+    if post_hoc:
+        lines += [f"Post hoc: {', '.join(sorted(post_hoc))} chosen after seeing seed {seeds[0]}'s results; seeds {','.join(map(str, seeds[1:]))} "
+                  "are held out for it.", ""]
+    lines += ["## Goals per seed", "", *goal_table(judged, post_hoc), ""]
+    for an in analyses:
+        lines += [f"## Seed {an['seed']}", "", *seed_table(an), ""]
+    md = "\n".join(lines) + "\n"
     print(md)
+    if a.no_write:
+        return
+    out = Path(a.out)
+    from llmcompress.io.atomic import write_text
+
+    write_text(out / "RESULTS-edgc.md", md)
+    traces = {str(s): {k: {"loss": [r["loss"] for r in v["recs"]], "rank": v.get("rank_trace"), "entropy": v.get("entropy_trace")}
+                       for k, v in res.items()} for s, res in per_seed.items()}
+    write_text(out / "RESULTS-edgc.json", json.dumps({"args": base, "seeds": seeds, "analyses": analyses, "goals": judged,
+                                                               "post_hoc": sorted(post_hoc), "traces": traces}, indent=1))
+    plot(per_seed, out / "RESULTS-edgc-trace.png")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,30 @@ def test_quantification_model_and_bounded_step():
     assert [next_rank(32, 2, 4), next_rank(10, 12, 4), next_rank(3, 20, 4)] == [28, 12, 7]
 
 
+def test_reference_is_the_peak_window_and_warmup_is_not_a_window():
+    """A synthetic entropy trace whose peak is the second window: later ranks follow the drop from that peak."""
+    from llmcompress.comm.edgc import EDGCState
+
+    ps = EDGCState(r_min=2, r_max=32, start_iter=2, window=2, entropy_span=0.1, max_step=100)
+    assert (ps.start_powerSGD_iter, ps.rank) == (2, 32)
+    # per step: 2 warm-up steps (dense, entropy 9.9: must not become the reference), then windows of 2 steps
+    # with means 7.0, 8.0 (the peak), 7.6, 7.2, 8.4 (a new peak), 8.0
+    trace = [9.9, 9.9, 7.0, 7.0, 7.8, 8.2, 7.6, 7.6, 7.2, 7.2, 8.4, 8.4, 8.0, 8.0]
+    ranks, refs = [], []
+    for step, h in enumerate(trace):
+        ps.iter = step + 1  # torch counts the step in its hook, before end_step closes it
+        ps.step_h = [h * 10.0, 10.0]
+        ps.close_step()
+        if step >= 3 and (step - 1) % 2 == 0:  # a window closed
+            ranks.append(ps.rank)
+            refs.append(ps.h_ref)
+    assert refs == pytest.approx([7.0, 8.0, 8.0, 8.0, 8.4, 8.4])
+    # 7.6 is 0.4 = half the span (0.1 x 8.0) below the peak: rank 17; 7.2 is a whole span below: r_min.
+    # (A first-window reference, 7.0, would have kept r_max for 7.6 and 7.2.) 8.0 is 0.4 / 0.84 below 8.4.
+    assert ranks == [32, 32, 17, 2, 32, round(2 + 30 * (1 - 0.4 / 0.84))]
+    assert ps.rank_trace[:3] == [None, None, 32] and ps.entropy_trace[0] == pytest.approx(9.9)
+
+
 def _psgd_bytes(shapes, rank, min_rate=2.0):
     total = 0
     for shape in shapes:
@@ -53,7 +77,15 @@ def test_two_ranks_zip_bit_identical_forced_rank_change_keeps_error_feedback(tmp
         assert [x["comm_bytes"] for x in r["none"]["recs"]] == [dense] * 6
         assert all(0 < x["comm_bytes"] < dense for x in r["zip"]["recs"])  # counted on the wire, compressed
         # PowerSGD: dense warm-up steps are counted too, then P and Q (and the uncompressed tensors)
-        assert [x["comm_bytes"] for x in r["powersgd"]["recs"]] == [dense] * 3 + [_psgd_bytes(shapes, 8)] * 5
+        assert [x["comm_bytes"] for x in r["powersgd"]["recs"]] == [dense] * 2 + [_psgd_bytes(shapes, 8)] * 6
+        assert [x["comm_bytes"] for x in r["edgc"]["recs"]] == [dense] * 2 + [_psgd_bytes(shapes, 32)]
+        # the same 2-step warm-up for both compressed schemes: DDP's reduced gradients are plain all-reduce's bits,
+        # then compression starts at step 2 (torch's start_powerSGD_iter semantics)
+        for scheme in ("powersgd", "edgc"):
+            g, g0 = r[scheme]["grads"], r["none"]["grads"]
+            assert torch.equal(g[0], g0[0]) and torch.equal(g[1], g0[1])
+            assert r[scheme]["rank_trace"][:3] == [None, None, 8 if scheme == "powersgd" else 32]
+        assert not torch.equal(r["powersgd"]["grads"][2], r["none"]["grads"][2])
         f = r["force"]
         assert f["changes"][5] == {"error_kept": True, "pq_cleared": True, "rank": 2}
         assert f["changes"][8] == {"error_kept": True, "pq_cleared": True, "rank": 6}

@@ -70,6 +70,7 @@ BAD = {
         "--grad-rank-min": ["0", "-1", HUGE],
         "--grad-rank-max": ["0", "-1", HUGE],
         "--grad-warmup": ["1", "-1", HUGE],
+        "--grad-entropy-span": ["0", "-0.1", "1.5", "nan"],
         "--act-rank": ["0", "-1", "banana", "2.5", HUGE],
         "--act-budget": ["0", "-0.1", "1.5", "nan"],
     },

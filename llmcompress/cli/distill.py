@@ -77,6 +77,8 @@ def distill_command(
     grad_rank_min: Annotated[Optional[int], typer.Option("--grad-rank-min", help="EDGC's lowest rank.")] = None,
     grad_rank_max: Annotated[Optional[int], typer.Option("--grad-rank-max", help="EDGC's highest rank (where it starts).")] = None,
     grad_warmup: Annotated[Optional[int], typer.Option("--grad-warmup", help="Dense all-reduce steps before powersgd/edgc compress (>= 2).")] = None,
+    grad_entropy_span: Annotated[Optional[float], typer.Option(
+        "--grad-entropy-span", help="EDGC: entropy drop, as a share of its peak window, from the highest to the lowest rank (0.1).")] = None,
 ) -> None:
     """Distil a smaller student from TEACHER: layer-wise, easy-to-hard, from a cached teacher.
 
@@ -107,7 +109,7 @@ def distill_command(
         phase1_fraction=phase1_fraction, e2e_steps=e2e_steps, e2e_lr=e2e_lr, precision=precision, cache_dtype=cache_dtype,
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
         save_dtype=save_dtype, grad_compress=grad_compress, grad_rank=grad_rank, grad_rank_min=grad_rank_min,
-        grad_rank_max=grad_rank_max, grad_warmup=grad_warmup,
+        grad_rank_max=grad_rank_max, grad_warmup=grad_warmup, grad_entropy_span=grad_entropy_span,
         act_rank=parse_rank(act_rank), act_budget=act_budget,
     )
     cfg = config_from_dict(overrides, base=load_spec(spec) if spec is not None else DistillConfig())

@@ -42,12 +42,14 @@ def train(scheme: str, steps: int, *, rank: int, world: int, force: dict | None 
         start = resume["step"]
     ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets, rebuilt after the first iteration
     comp.register(ddp)
-    out: dict = {"recs": [], "changes": {}}
+    out: dict = {"recs": [], "changes": {}, "grads": []}
     for step in range(start, steps if stop_at is None else stop_at):
         x, y = _batch(rank, step)
         loss = (ddp(x) - y).pow(2).mean()
         opt.zero_grad()
         loss.backward()
+        if step < 3:  # the reduced gradients DDP left in .grad (warm-up: plain all-reduce)
+            out["grads"].append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
         if force and step in force:  # a forced rank change: error feedback must survive it
             ps = comp.psgd
             before = {k: v.clone() for k, v in ps.error_dict.items()}
@@ -84,7 +86,8 @@ def worker(rank: int, world: int, port: int, out_dir: str, case: str) -> None:
     if "schemes" in case:
         for scheme in ("none", "zip"):
             res[scheme] = train(scheme, 6, **kw)
-        res["powersgd"] = train("powersgd", 8, start_iter=3, **kw)
+        res["powersgd"] = train("powersgd", 8, **kw)  # the default warm-up (2 steps), as EDGC's
+        res["edgc"] = train("edgc", 3, **kw)
     if "force" in case:
         res["force"] = train("edgc", 12, force={5: 2, 8: 6}, **edgc, **kw)
     if "resume" in case:

@@ -10,15 +10,22 @@ changes `matrix_approximation_rank` between windows. What torch lacks and is wri
   of the elements), put into a 1000-bin histogram over its [min, max] and its Shannon entropy taken in bits
   (the reference code's estimator). Matrices are averaged weighted by their element count (per matrix, not
   per bucket, so the figure does not depend on how DDP buckets the gradients).
-* **Quantification model** (`target_rank`): the mean entropy of the warm-up steps is the reference H_ref
-  (dense gradients early in training, when the loss is most sensitive, get `r_max`). A window's mean
-  entropy H maps linearly onto the rank range: r = r_min + (r_max - r_min) * clip(1 - (H_ref - H) / span, 0, 1)
-  with span = `entropy_span` x H_ref; i.e. as the gradients' information (entropy) falls by `entropy_span`
-  of its reference value, the rank goes from r_max down to r_min; if it rises, the rank goes back up.
+* **Quantification model** (`target_rank`): the reference H_ref is the *peak* of the windowed mean entropy
+  so far (every window's mean, all-reduced; the warm-up's dense gradients are not windows: their entropy is
+  of a different, uncompressed signal). A window's mean entropy H maps linearly onto the rank range:
+  r = r_min + (r_max - r_min) * clip(1 - (H_ref - H) / span, 0, 1) with span = `entropy_span` x H_ref
+  (default 0.1); i.e. as the gradients' information (entropy) falls by `entropy_span` of its peak, the rank
+  goes from r_max down to r_min; if it climbs back, the rank goes back up, and a new peak gives r_max.
+  A first-window reference misses a drop that follows a climb above the first window (the rank stays at
+  r_max until the entropy falls below the first window's); the peak measures every drop from the most
+  information seen so far.
 * **Window adjustment** (`next_rank`): at the end of each `window` of steps the rank moves towards the
   target by at most `max_step` (±4 as in the reference). The window's entropy sums are all-reduced
   first, so every rank computes the same number from the same bits and picks the same rank (a mismatch
   would hang PowerSGD's all-reduce of P and Q).
+* **Warm-up**: torch's `start_powerSGD_iter` semantics: steps 0 .. start_iter - 1 are plain all-reduces
+  (the same bits as `none`), compression starts at step start_iter; fixed-rank PowerSGD and EDGC use the
+  same default (2, the least DDP allows: it rebuilds its buckets after iteration 1).
 * **Rank change** (`set_rank`): P/Q buffers are cleared (their size depends on the rank; torch would slice
   the old buffer into wrongly sized views), the error-feedback buffers are kept (the reference code loses
   them by rebuilding its reducer).
@@ -49,6 +56,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 SCHEMES = ("none", "zip", "powersgd", "edgc")
 BINS = 1000
+ENTROPY_SPAN = 0.1  # the entropy drop, as a share of its peak, that takes the rank from r_max to r_min
+WARMUP = 2  # dense all-reduce steps before PowerSGD/EDGC compress (torch's start_powerSGD_iter)
 
 
 # ------------------------------------------------------------------------------------ pure math
@@ -113,13 +122,13 @@ class EDGCState(psgd.PowerSGDState):
 
     __slots__ = [
         "adapt", "r_min", "r_max", "window", "sample_every", "sample_fraction", "entropy_span", "max_step",
-        "names", "shapes", "layout", "pool", "h_ref", "win", "warm", "step_h", "rank_trace", "entropy_trace",
+        "names", "shapes", "layout", "pool", "h_ref", "win", "step_h", "rank_trace", "entropy_trace",
         "monitor_s", "forced", "changes",
     ]
 
     def __init__(self, process_group=None, *, rank: int = 8, r_min: int = 2, r_max: int = 32, adapt: bool = True,
-                 start_iter: int = 10, window: int = 10, sample_every: int = 2, sample_fraction: float = 0.01,
-                 entropy_span: float = 0.2, max_step: int = 4, min_compression_rate: float = 2.0, seed: int = 0,
+                 start_iter: int = 2, window: int = 10, sample_every: int = 2, sample_fraction: float = 0.01,
+                 entropy_span: float = ENTROPY_SPAN, max_step: int = 4, min_compression_rate: float = 2.0, seed: int = 0,
                  names: dict | None = None):
         if start_iter < 2:
             raise ValueError("start_iter must be >= 2 (DDP rebuilds its buckets after iteration 1)")
@@ -135,9 +144,8 @@ class EDGCState(psgd.PowerSGDState):
         self.shapes: dict[str, tuple] = {}
         self.layout: dict[int, list[str]] = {}  # bucket index -> parameter names, in the bucket's order
         self.pool: dict[str, dict] = {}  # name -> {"e": error, "p": P, "q": Q, "rank": r}, awaiting its bucket
-        self.h_ref: float | None = None
+        self.h_ref: float | None = None  # the peak windowed mean entropy so far
         self.win = [0.0, 0.0]  # sum of sampled step entropies, number of samples (this window)
-        self.warm = [0.0, 0.0]  # the same over the warm-up steps (-> h_ref)
         self.step_h = [0.0, 0.0]  # entropy x elements, elements (this step's buckets)
         self.rank_trace: list[int | None] = []
         self.entropy_trace: list[float | None] = []
@@ -245,7 +253,7 @@ class EDGCState(psgd.PowerSGDState):
             self._split(idx, pool, keep=True)
         name, keys, pos, has_gauss, cached = self.rng.get_state()
         return {
-            "iter": self.iter, "rank": self.rank, "h_ref": self.h_ref, "win": list(self.win), "warm": list(self.warm),
+            "iter": self.iter, "rank": self.rank, "h_ref": self.h_ref, "win": list(self.win),
             "rank_trace": list(self.rank_trace), "entropy_trace": list(self.entropy_trace), "changes": list(self.changes),
             "rng": [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)],
             "shapes": {k: list(v) for k, v in self.shapes.items()}, "pool": pool,
@@ -255,7 +263,7 @@ class EDGCState(psgd.PowerSGDState):
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.iter = int(sd["iter"])
         self.matrix_approximation_rank = int(sd["rank"])
-        self.h_ref, self.win, self.warm = sd["h_ref"], list(sd["win"]), list(sd["warm"])
+        self.h_ref, self.win = sd["h_ref"], list(sd["win"])
         self.rank_trace, self.entropy_trace, self.changes = list(sd["rank_trace"]), list(sd["entropy_trace"]), list(sd["changes"])
         name, keys, pos, has_gauss, cached = sd["rng"]
         self.rng.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
@@ -274,25 +282,22 @@ class EDGCState(psgd.PowerSGDState):
         h = self.step_h[0] / self.step_h[1] if self.step_h[1] else None
         self.entropy_trace.append(h)
         self.step_h = [0.0, 0.0]
-        if h is not None:
-            acc = self.win if was_compressing else self.warm
-            acc[0] += h
-            acc[1] += 1
+        if h is not None and was_compressing:  # warm-up steps are dense: not part of any window
+            self.win[0] += h
+            self.win[1] += 1
         if self.forced is not None:
             self.set_rank(self.forced)
             self.changes.append({"step": self.iter, "rank": self.rank, "why": "forced"})
             self.forced = None
-        elif self.adapt and self.iter == self.start_powerSGD_iter:  # warm-up over: the reference entropy
-            s = _reduced_mean(self.warm, self.process_group)
-            self.h_ref = s
         elif self.adapt and was_compressing and (self.iter - self.start_powerSGD_iter) % self.window == 0:
             h_win = _reduced_mean(self.win, self.process_group)
             self.win = [0.0, 0.0]
-            if h_win is not None and self.h_ref is not None:
+            if h_win is not None:
+                self.h_ref = h_win if self.h_ref is None else max(self.h_ref, h_win)  # the peak window
                 target = target_rank(h_win, self.h_ref, self.entropy_span, self.r_min, self.r_max)
                 new = next_rank(self.rank, target, self.max_step)
                 if new != self.rank:
-                    self.changes.append({"step": self.iter, "rank": new, "entropy": h_win, "target": target})
+                    self.changes.append({"step": self.iter, "rank": new, "entropy": h_win, "ref": self.h_ref, "target": target})
                     self.set_rank(new)
         self.monitor_s += time.perf_counter() - t0
 
@@ -384,12 +389,12 @@ class GradCompression:
         scheme: none | zip | powersgd | edgc.
         model: the module DDP wraps (parameter names and the matrices' set come from it).
         rank: PowerSGD's fixed rank (`powersgd`); r_min / r_max: EDGC's range (it starts at r_max).
-        start_iter: dense all-reduce steps before compression starts (>= 2).
+        start_iter: dense all-reduce steps before compression starts (>= 2; the same for powersgd and edgc).
         window / sample_every / sample_fraction / entropy_span / max_step: EDGC's monitor (see the module doc).
     """
 
-    def __init__(self, scheme: str, model, *, rank: int = 8, r_min: int = 2, r_max: int = 32, start_iter: int = 10,
-                 window: int = 10, sample_every: int = 2, sample_fraction: float = 0.01, entropy_span: float = 0.2,
+    def __init__(self, scheme: str, model, *, rank: int = 8, r_min: int = 2, r_max: int = 32, start_iter: int = WARMUP,
+                 window: int = 10, sample_every: int = 2, sample_fraction: float = 0.01, entropy_span: float = ENTROPY_SPAN,
                  max_step: int = 4, min_rate: float = 2.0, seed: int = 0):
         if scheme not in SCHEMES:
             raise ValueError(f"unknown gradient compression {scheme!r}; one of {', '.join(SCHEMES)}")

@@ -105,7 +105,9 @@ class DistillConfig:
         seed: everything random derives from it (per segment: seed + segment index).
         grad_compress: gradient exchange of data-parallel e2e training under torchrun: none | zip | powersgd | edgc.
         grad_rank: PowerSGD's fixed rank (powersgd); grad_rank_min / grad_rank_max: EDGC's rank range (it starts at
-            the maximum); grad_warmup: dense all-reduce steps before either compresses (>= 2).
+            the maximum); grad_warmup: dense all-reduce steps before either compresses (>= 2);
+            grad_entropy_span: the drop of EDGC's windowed gradient entropy, as a share of its peak, that takes
+            the rank from grad_rank_max to grad_rank_min (0.1).
         act_rank / act_budget: activation compression of the trained linears' saved inputs (rank R random
             sketches, or "auto": per-input ranks holding act_budget of the uncompressed bytes; see
             llmcompress/actcomp); None = off. The saved-activation bytes are counted either way.
@@ -149,6 +151,7 @@ class DistillConfig:
     grad_rank_min: int = 2
     grad_rank_max: int = 32
     grad_warmup: int = 10
+    grad_entropy_span: float = 0.1
     act_rank: int | str | None = None
     act_budget: float = 0.25
     version: int = 1
@@ -239,6 +242,8 @@ RANGES = {
     "grad_rank_min": Int("--grad-rank-min", 1, 1024, note="EDGC's lowest rank, e.g. --grad-rank-min 2"),
     "grad_rank_max": Int("--grad-rank-max", 1, 1024, note="EDGC's highest (starting) rank, e.g. --grad-rank-max 32"),
     "grad_warmup": Int("--grad-warmup", 2, MAX_COUNT, note="dense steps before PowerSGD/EDGC compress (DDP rebuilds buckets at step 1)"),
+    "grad_entropy_span": Real("--grad-entropy-span", 0.0, 1.0, lo_open=True,
+                              note="EDGC's entropy drop (share of its peak) from the highest to the lowest rank, e.g. 0.1"),
     "act_rank": act_options.RANK,
     "act_budget": act_options.BUDGET,
 }

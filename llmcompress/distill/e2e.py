@@ -152,7 +152,7 @@ def _grad_compression(run: Run, model):
 
     cfg = run.cfg
     return GradCompression(cfg.grad_compress.value, model, rank=cfg.grad_rank, r_min=cfg.grad_rank_min, r_max=cfg.grad_rank_max,
-                           start_iter=cfg.grad_warmup, seed=cfg.seed)
+                           start_iter=cfg.grad_warmup, entropy_span=cfg.grad_entropy_span, seed=cfg.seed)
 
 
 def _wrap(run: Run, model, comp):
