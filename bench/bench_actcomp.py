@@ -29,6 +29,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ARMS = {"none": None, "d/4": 0.25, "d/8": 0.125, "d/16": 0.0625, "auto": "auto"}
+FLAGS = ("cce", "co")  # arm suffixes: +cce chunked cross-entropy (loss.py), +co co-compression with FactoredStep (optim.py)
+
+
+def parse_arm(arm: str) -> tuple[object, set[str]]:
+    """'d/8+cce+co' -> (0.125, {'cce', 'co'})."""
+    base, *flags = arm.split("+")
+    if base not in ARMS or not set(flags) <= set(FLAGS) or ("co" in flags and ARMS[base] is None):
+        raise SystemExit(f"bad arm {arm!r}: one of {list(ARMS)} with optional +cce, +co (co needs a rank)")
+    return ARMS[base], set(flags)
 MIB = 1 << 20
 
 
@@ -46,7 +55,9 @@ def run_arm(arm: str, batch: int, seq: int, steps: int, budget: float, threads: 
     import torch
 
     torch.set_num_threads(threads)
-    from llmcompress.actcomp.layer import training
+    from llmcompress.actcomp.layer import compress_activations, training
+    from llmcompress.actcomp.loss import causal_lm_loss
+    from llmcompress.actcomp.optim import FactoredStep
     from llmcompress.data.blocks import calibration_blocks
     from llmcompress.io.adapters import get_adapter
     from llmcompress.io.load import load_model
@@ -64,22 +75,37 @@ def run_arm(arm: str, batch: int, seq: int, steps: int, budget: float, threads: 
     opt = torch.optim.AdamW(params, lr=5e-4)
     model.train()
     times, losses = [], []
-    with training(model, ARMS[arm], budget=budget, seed=0) as ac:
+    rank, flags = parse_arm(arm)
+    ctx = (compress_activations(model, rank, budget=budget, seed=0, co_compress=True) if "co" in flags
+           else training(model, rank, budget=budget, seed=0))
+    dense_peak = None
+    with ctx as ac:
+        fs = FactoredStep(opt, ac) if "co" in flags else None
         for step in range(steps):
             ac.set_step(step)
             ids = blocks[step * batch : (step + 1) * batch]
             t0 = time.perf_counter()
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                if "cce" in flags:
+                    loss = causal_lm_loss(model, ids)
+                else:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            if fs is not None:
+                fs.clip_grad_norm_(1.0)
+                fs.step()
+                fs.zero_grad()
+            else:
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
             del loss
         saved = ac.counter.summary()
         auto = getattr(ac, "auto_ranks", None)
+        if fs is not None:
+            dense_peak = fs.peak_dense_grad_bytes
     n_all = sum(p.numel() * p.element_size() for p in model.parameters())
     n_train = sum(p.numel() * p.element_size() for p in params)
     return {
@@ -87,7 +113,8 @@ def run_arm(arm: str, batch: int, seq: int, steps: int, budget: float, threads: 
         "step_s": times, "step_s_mean_after_first": sum(times[1:]) / max(1, len(times) - 1),
         "peak_rss_mib": rss_mib(), "rss_start_mib": rss_start, "rss_loaded_mib": rss_loaded,
         "weights_bytes": n_all, "grad_bytes": n_train, "adamw_state_bytes": 2 * n_train, **saved,
-        "auto_ranks": auto, "vocab": model.config.vocab_size,
+        "auto_ranks": auto, "vocab": model.config.vocab_size, "factored_peak_dense_grad_bytes": dense_peak,
+        "load_avg": os.getloadavg(),
     }
 
 
@@ -97,7 +124,8 @@ def memory(args) -> dict:
         cmd = [sys.executable, __file__, "--arm", arm, "--batch", str(args.batch), "--seq", str(args.seq),
                "--steps", str(args.steps), "--budget", str(args.budget), "--threads", str(args.threads)]
         print("running", " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, LLMCOMPRESS_PROGRESS="0"))
+        env = dict(os.environ, LLMCOMPRESS_PROGRESS="0", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"arm {arm} failed:\n{proc.stderr[-3000:]}")
         out[arm] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -12,9 +12,9 @@ is estimated:
   U = δᵀXP (d_out × r) and V = Pᵀ (r × d_in) are handed to `on_factors(name, module, U, V)` (gradient
   communication can send U and the seed instead of d_out × d_in numbers) and kept in `ac.factors`.
   `ac.sgd_step(lr)` applies W -= lr·UV from the factors: exactly the SGD step on the dense estimate.
-  AdamW cannot be applied from factors exactly (its per-element second moments need the dense gradient;
-  Adam on U in a changing subspace is a different optimiser), so `ac.materialize()` writes UV into
-  `.grad` for it: equal to the non-factored estimate, with no memory saved on the gradient.
+  For AdamW and other per-parameter optimisers, `optim.FactoredStep` forms one linear's dense gradient
+  at a time, steps it and frees it (the same update, one dense gradient held instead of all);
+  `ac.materialize()` writes every UV into `.grad` at once (no memory saved on the gradient).
 
 P is drawn from a generator seeded by (seed, step, draw) - one draw per sketched input in call order -
 and regenerated in backward, never stored; `set_step(step)` makes a resumed run draw the same P's, and
@@ -30,7 +30,9 @@ sketched once: a linear called on the very tensor the previous sketched linear w
 object, unmodified) reuses its sketch and seed, so the graph holds one N × r tensor for the group.
 
 bf16 autocast: the sketch is taken and saved in the autocast dtype (as autocast's own cast of X would
-be), gradients are computed from it and returned in the parameters' dtype. torch.compile: not supported
+be), gradients are computed from it and returned in the parameters' dtype. The compressed Functions cast
+W to the autocast dtype themselves, with autocast off (`_forward_linear`): autocast's own cast of a
+trained leaf weight would go into its weight cache and stay alive until the autocast region exits. torch.compile: not supported
 - dynamo graph-breaks on the Python-side sketch sharing and seed counter, and compiled autograd runs the
 saved-tensor hooks of a whole graph at once, so the per-step byte count and the one-sketch-per-group
 sharing cannot be guaranteed; `compress_activations` refuses a compiled module.
@@ -63,12 +65,26 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _forward_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for the compressed Functions' forward. Under autocast the operands are cast here, with
+    autocast off: autocast's own cast of a leaf weight that requires grad goes into its weight cache, which
+    keeps a low-precision copy of every trained weight alive until the autocast region exits (the whole
+    forward, or forward and backward if backward runs inside it), so the memory the compressed path saves
+    would be spent again on those copies. Cast here, the copy is freed as soon as the product exists."""
+    dev = x.device.type
+    if not (torch.is_autocast_enabled(dev) and x.is_floating_point()):
+        return F.linear(x, weight, bias)
+    dt = torch.get_autocast_dtype(dev)
+    with torch.autocast(dev, enabled=False):
+        return F.linear(x.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
+
+
 class _SketchedLinear(torch.autograd.Function):
     """y = x Wᵀ + b; saves (W, sketch); backward: exact dX and db, (δᵀ·sketch)·Pᵀ for dW."""
 
     @staticmethod
     def forward(x, weight, bias, xs, seed, comp, name, group):
-        return F.linear(x, weight, bias)
+        return _forward_linear(x, weight, bias)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -105,7 +121,7 @@ class _HeldLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias):
-        return F.linear(x, weight, bias)
+        return _forward_linear(x, weight, bias)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -133,7 +149,7 @@ class _FrozenLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias):
-        return F.linear(x, weight, bias)
+        return _forward_linear(x, weight, bias)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

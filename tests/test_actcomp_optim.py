@@ -1,0 +1,231 @@
+"""Co-compression's optimizer step from factors (optim.py), the chunked cross-entropy (loss.py), and the
+compressed linear under bf16 autocast (no autocast weight-cache copies, the sketch saved instead of X)."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmcompress.actcomp import compress_activations
+from llmcompress.actcomp.loss import causal_lm_loss, chunked_cross_entropy
+from llmcompress.actcomp.optim import FactoredStep
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 40), nn.GELU(), nn.Linear(40, 8), nn.LayerNorm(8))
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(64, 32, generator=g), torch.randn(64, 8, generator=g)
+
+
+def _loss(net, step):
+    x, y = _batch(step)
+    return ((net(x) - y) ** 2).mean()
+
+
+def _run(make_opt, factored: bool, steps=3, clip=None, rank=6):
+    """Train `_net` for `steps` with co-compression: through FactoredStep, or (reference) with the factored
+    gradients materialised into .grad and the stock optimizer (and torch's clip_grad_norm_)."""
+    net = _net()
+    opt = make_opt(net.parameters())
+    norms = []
+    with compress_activations(net, rank=rank, co_compress=True) as ac:
+        fs = FactoredStep(opt, ac)
+        for step in range(steps):
+            ac.set_step(step)
+            _loss(net, step).backward()
+            assert all(m.weight.grad is None for m in net if isinstance(m, nn.Linear))  # factored, not dense
+            if factored:
+                if clip:
+                    norms.append(float(fs.clip_grad_norm_(clip)))
+                fs.step()
+                fs.zero_grad()
+            else:
+                ac.materialize()
+                if clip:
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip)))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return net, fs, norms
+
+
+def _close(a: nn.Module, b: nn.Module, tol):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert (p - q).abs().max() <= tol * (1 + q.abs().max()), n
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_through_factored_step_is_the_dense_sgd_step_on_the_sketched_gradient(momentum):
+    """Without momentum: applied from U, V, no dense gradient at all; with it: one dense gradient at a time."""
+    def sgd(ps):
+        return torch.optim.SGD(ps, lr=0.05, weight_decay=0.01, momentum=momentum)
+
+    ref, _, _ = _run(sgd, factored=False)
+    got, fs, _ = _run(sgd, factored=True)
+    _close(got, ref, 1e-5)
+    assert fs.materialized == (3 if momentum else 0)
+    assert (fs.peak_dense_grad_bytes > 0) == bool(momentum)
+    assert (got[0].weight - _net()[0].weight).abs().max() > 1e-3  # it did step
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_adamw_from_factors_equals_torch_adamw_on_the_materialised_gradient(clip):
+    def adamw(ps):
+        return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False)
+
+    ref, _, ref_norms = _run(adamw, factored=False, steps=4, clip=clip)
+    got, fs, norms = _run(adamw, factored=True, steps=4, clip=clip)
+    _close(got, ref, 1e-5)
+    if clip:
+        assert norms == pytest.approx(ref_norms, rel=1e-5) and max(norms) > clip  # clipping was active
+    assert fs.materialized == 3
+    moved = _net()
+    assert (got[2].weight - moved[2].weight).abs().max() > 1e-2
+
+
+def test_only_one_dense_gradient_is_alive_at_a_time():
+    net = _net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    weights = [m.weight for m in net if isinstance(m, nn.Linear)]
+    alive, stepped = [], []
+    orig = opt.step
+
+    def watched(*a, **k):  # at every optimizer.step: which factored weights hold a dense .grad now
+        alive.append(sum(w.grad is not None for w in weights))
+        stepped.append([p for g in opt.param_groups for p in g["params"] if p.grad is not None])
+        return orig(*a, **k)
+
+    opt.step = watched
+    with compress_activations(net, rank=6, co_compress=True) as ac:
+        fs = FactoredStep(opt, ac)
+        ac.set_step(0)
+        _loss(net, 0).backward()
+        fs.step()
+    assert max(alive) == 1 and alive.count(1) == len(weights)
+    assert len(stepped[0]) == 5  # the dense step: 3 biases and the LayerNorm's two, no linear weight
+    assert all(len(s) == 1 for s in stepped[1:])  # then each linear weight alone
+    largest = max(w.numel() * 4 for w in weights)
+    assert fs.peak_dense_grad_bytes == largest < sum(w.numel() * 4 for w in weights)
+    assert all(w.grad is None for w in weights) and not ac.factors
+
+
+def test_a_factored_weight_outside_the_optimizer_is_an_error():
+    net = _net()
+    opt = torch.optim.AdamW(list(net.parameters())[2:], lr=1e-3)  # net[0].weight and bias left out
+    with compress_activations(net, rank=6, co_compress=True) as ac:
+        fs = FactoredStep(opt, ac)
+        ac.set_step(0)
+        _loss(net, 0).backward()
+        with pytest.raises(ValueError, match="not in the optimizer"):
+            fs.step()
+
+
+@pytest.mark.parametrize("impl", ["torch", "chunked"])
+@pytest.mark.parametrize("train_head", [True, False])
+def test_chunked_cross_entropy_equals_cross_entropy_in_loss_and_gradients(impl, train_head):
+    if impl == "torch" and not hasattr(F, "linear_cross_entropy"):
+        pytest.skip("this torch has no F.linear_cross_entropy")
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 37, 16, generator=g)
+    w, b = torch.randn(300, 16, generator=g) / 2, torch.randn(300, generator=g)
+    t = torch.randint(0, 300, (2, 37), generator=g)
+    t[0, :5] = -100  # ignored rows
+    args = [x.clone().requires_grad_(train_head or x is h) for x in (h, w, b)]
+    ref = F.cross_entropy(F.linear(args[0], args[1], args[2]).reshape(-1, 300), t.reshape(-1), ignore_index=-100)
+    (ref * 3).backward()
+    got_args = [x.clone().requires_grad_(train_head or x is h) for x in (h, w, b)]
+    got = chunked_cross_entropy(got_args[0], got_args[1], t, bias=got_args[2], impl=impl)
+    (got * 3).backward()
+    assert got.item() == pytest.approx(ref.item(), rel=1e-5)
+    for a, c in zip(args, got_args):
+        if a.requires_grad:
+            assert (a.grad - c.grad).abs().max() <= 1e-5 * (1 + a.grad.abs().max())
+        else:
+            assert c.grad is None
+
+
+def test_the_chunked_function_never_makes_a_tokens_by_vocabulary_tensor():
+    n, d, v = 256, 16, 512
+    h, w = torch.randn(n, d, requires_grad=True), torch.randn(v, d, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+    biggest = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(o, torch.Tensor):
+                    biggest.append(o.numel())
+            return out
+
+    with Sizes():
+        chunked_cross_entropy(h, w, t, impl="chunked").backward()
+    assert max(biggest) < n * v // 4  # chunks of n / ceil(v / d) rows: 8 x 512 logits at a time
+    with Sizes():
+        F.cross_entropy(F.linear(h, w), t).backward()
+    assert max(biggest) >= n * v  # the control: the stock path does make one
+
+
+def test_causal_lm_loss_is_the_models_loss_and_gradient():
+    model = tiny_model("llama", layers=2).train()
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref = model(input_ids=ids, labels=ids).loss
+    ref.backward()
+    ref_g = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    got = causal_lm_loss(model, ids)
+    got.backward()
+    assert got.item() == pytest.approx(ref.item(), rel=1e-5)
+    for n, p in model.named_parameters():
+        assert (p.grad - ref_g[n]).abs().max() <= 1e-4 * (1 + ref_g[n].abs().max()), n
+
+
+class _Casts(TorchDispatchMode):
+    """Weak references to every cast copy of the given parameters."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.refs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in self.ptrs:
+            self.refs.append(weakref.ref(out))
+        return out
+
+    def alive(self):
+        return sum(r() is not None for r in self.refs)
+
+
+@pytest.mark.parametrize("compressed", [True, False])
+def test_under_bf16_autocast_no_weight_copy_stays_alive_and_the_sketch_is_saved(compressed):
+    net = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    params = list(net.parameters())
+    with compress_activations(net, rank=8 if compressed else None) as ac:
+        ac.set_step(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with _Casts(params) as casts:
+                y = net(x)
+            assert len(casts.refs) >= 2  # the weights were cast to bf16 for the forward
+            if compressed:
+                assert casts.alive() == 0  # freed at once: no autocast weight-cache copies
+                s = ac.counter.step
+                assert s["linear_input"] == 2 * 32 * 8 * 2  # two bf16 sketches N x r, not X (N x 64)
+                assert s["weight_copy"] == 0
+            else:
+                assert casts.alive() >= 2  # the control: stock autocast keeps its cached copies
+        y.float().sum().backward()
+    assert net[0].weight.grad.dtype == torch.float32 and net[0].weight.grad.abs().sum() > 0
