@@ -327,12 +327,12 @@ def measure_table(cfg, tokenizer, *, ftype: str = "BF16", threads: int | None = 
                          "modeled": pred[i]} for i, n in enumerate(paths)],
              "fit_mape": statistics.mean(abs(p / t - 1) for p, t in zip(pred, y)),
              "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)), "seconds_taken": time.time() - t_start,
-             "load_average": _loadavg()}
+             "load_average": loadavg()}
     write_json(cache_path(key), table)
     return table
 
 
-def _loadavg() -> str:
+def loadavg() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:

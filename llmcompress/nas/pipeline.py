@@ -82,7 +82,7 @@ def _runtime_check(gguf_path: Path, costs, arch) -> dict:
     from_file = M.modeled_gguf(costs.table, gguf_path)
     got = M.measure_gguf(gguf_path)
     return {"modeled_ms_per_token": modeled * 1e3, "modeled_from_file_ms_per_token": from_file * 1e3,
-            "measured_ms_per_token": got * 1e3, "error": modeled / got - 1, "load_average": M._loadavg(),
+            "measured_ms_per_token": got * 1e3, "error": modeled / got - 1, "load_average": M.loadavg(),
             "protocol": costs.table["key"]["protocol"]}
 
 
