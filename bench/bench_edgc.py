@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from llmcompress.runtime import cpu_model
+
 HERE = Path(__file__).resolve().parent
 ARMS = ["none", "zip", "psgd2", "psgd4", "psgd8", "psgd16", "psgd32", "edgc"]
 MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -341,18 +343,6 @@ def plot(per_seed: dict[int, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()}-core {model}"
-
-
 def main() -> None:
     from llmcompress.comm.edgc import ENTROPY_SPAN, WARMUP
 
@@ -421,7 +411,7 @@ def main() -> None:
     loads = [x for res in per_seed.values() for r in res.values() for x in (r.get("load") or [])]
     cmd = "python bench/bench_edgc.py " + " ".join(sys.argv[1:])
     lines = ["# EDGC benchmark", "",
-             f"`{cmd}` (under `nice -n 10`), {_dt.date.today()}, {machine()}, shared with other jobs (1-minute load average "
+             f"`{cmd}` (under `nice -n 10`), {_dt.date.today()}, {os.cpu_count()}-core {cpu_model()}, shared with other jobs (1-minute load average "
              f"{min(loads):.1f}-{max(loads):.1f} across the arms); 2 gloo processes (torch.set_num_threads(1) each); reduced LLaMA {MODEL} "
              f"with vocab {a.vocab} ({first['params']:,} parameters, {first['matrix_params']:,} in decoder matrices); trained on WikiText-2 "
              f"valid, perplexity on test, {a.steps} steps, global batch {a.batch} x {a.seq} tokens, AdamW lr {a.lr}. Every compressed arm "

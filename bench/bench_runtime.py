@@ -46,6 +46,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # llama.cpp's OpenMP runtime loads, so it is set before the first import. Override with OMP_WAIT_POLICY=ACTIVE.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from llmcompress.runtime import cpu_model, load_average  # noqa: E402  (re-exported to bench_costmodel)
+
 ROOT = Path(__file__).resolve().parents[1]
 COLLAPSE = ["collapse", "smollm2-135m", "--method", "shortgpt", "--target-layers", "22"]
 # name -> (description, source ("model" | "collapse" | None for the shipped file), export options)
@@ -64,16 +66,6 @@ CONFIGS = {
 DEFAULT = [n for n in CONFIGS if n != "gptq8-sym-g32"]
 
 
-def load_average() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return "?"
 
 
 class Results:

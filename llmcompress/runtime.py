@@ -96,6 +96,28 @@ def default_threads(cap: int | None = None) -> int:
     return max(1, n if cap is None else min(n, cap))
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's `model name`, else what `platform` says), for reports and cache keys."""
+    import platform
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "?"
+
+
+def load_average() -> str:
+    """The 1-, 5- and 15-minute load averages as "a b c" (reported next to wall times), or "?"."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
 def seed_everything(seed: int) -> None:
     import numpy as np
     import torch

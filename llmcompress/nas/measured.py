@@ -32,16 +32,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from llmcompress.errors import UserError
+from llmcompress.export.gguf import FLOAT_TYPES, GGML_TYPES, ggml_type_name
+from llmcompress.runtime import cpu_model, load_average
 
-QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-TYPE_BITS = {"Q4_0": (4, True), "Q4_1": (4, False), "Q5_0": (5, True), "Q5_1": (5, False), "Q8_0": (8, True)}
+QUANT_TYPES = tuple(GGML_TYPES.values())
+TYPE_BITS = {t: bits_sym for bits_sym, t in GGML_TYPES.items()}  # ggml type -> (bits, symmetric)
 BASE = "Q8_0"
 PROBE_LAYERS = 4
 PROMPT, DECODE, REPEATS = 32, 32, 7
@@ -65,7 +66,7 @@ def require_runtime():
 
 
 def float_type(dtype: str) -> str:
-    return {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[dtype]
+    return FLOAT_TYPES[dtype]
 
 
 def shape_key(out: int, inp: int) -> str:
@@ -182,7 +183,7 @@ def write_probe(model, tokenizer, path: Path, kinds: dict[str, str], head: str, 
         qweights["model.embed_tokens"] = head_q
         if not getattr(model.config, "tie_word_embeddings", False):
             qweights["lm_head"] = head_q
-    dtype = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[ftype]
+    dtype = {t: d for d, t in FLOAT_TYPES.items()}[ftype]
     write_gguf(model, path, qweights=qweights, float_dtype=dtype, tokenizer=tokenizer, name="llmcompress latency probe",
                overwrite=True)
     return path
@@ -242,18 +243,6 @@ def open_llms(paths: dict[str, Path], threads: int, n_ctx: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ table
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return cpu
-
-
 def summarize(samples: list[float], stat: str = STAT) -> float:
     return min(samples) if stat == "min" else statistics.median(samples)
 
@@ -261,7 +250,7 @@ def summarize(samples: list[float], stat: str = STAT) -> float:
 def table_key(cfg, ftype: str, threads: int, layers: int = PROBE_LAYERS, stat: str = STAT, repeats: int = REPEATS) -> dict:
     import llama_cpp
 
-    return {"machine": machine(), "cores": os.cpu_count(), "threads": threads, "llama_cpp": llama_cpp.__version__,
+    return {"machine": cpu_model(), "cores": os.cpu_count(), "threads": threads, "llama_cpp": llama_cpp.__version__,
             "shapes": sorted(set(model_shapes(cfg).values())), "vocab": int(cfg.vocab_size), "float": ftype,
             "tied": bool(getattr(cfg, "tie_word_embeddings", False)), "probe_layers": layers,
             "protocol": f"prompt {PROMPT}, decode {DECODE}, {stat} of {repeats} interleaved rounds", "version": VERSION}
@@ -327,16 +316,10 @@ def measure_table(cfg, tokenizer, *, ftype: str = "BF16", threads: int | None = 
                          "modeled": pred[i]} for i, n in enumerate(paths)],
              "fit_mape": statistics.mean(abs(p / t - 1) for p, t in zip(pred, y)),
              "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)), "seconds_taken": time.time() - t_start,
-             "load_average": loadavg()}
+             "load_average": load_average()}
     write_json(cache_path(key), table)
     return table
 
-
-def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
 
 
 def modeled_seconds(table: dict, types: dict[str, str], head: str) -> float:
@@ -368,15 +351,9 @@ def measure_gguf(path: Path, *, threads: int | None = None, repeats: int = REPEA
 
 
 # ------------------------------------------------------------------------------------------ nas
-def bits_type(bits: int, sym8: bool = True, ftype: str = "BF16") -> str:
+def bits_type(bits: int, ftype: str = "BF16") -> str:
     """The ggml type a `nas` GGUF export gives a linear of `bits` (asymmetric below 8 bits; 8 -> Q8_0)."""
-    if bits >= 16:
-        return ftype
-    t = {4: "Q4_1", 5: "Q5_1", 8: "Q8_0"}.get(bits)
-    if t is None:
-        raise UserError(f"--cost-model measured has no llama.cpp type for {bits}-bit layers (no ggml block of 32)",
-                        "search with --bits 4,5,8,16")
-    return t
+    return ftype if bits >= 16 else ggml_type_name(bits, sym=bits == 8)
 
 
 def measured_latency(model, space, table: dict, ftype: str):

@@ -77,12 +77,13 @@ def _cost_models(model, space, cfg, out: Path, resume: bool, tokenizer=None, flo
 def _runtime_check(gguf_path: Path, costs, arch) -> dict:
     """Modeled (the measured table) vs measured (llama.cpp) seconds per decoded token of the exported GGUF."""
     from llmcompress.nas import measured as M
+    from llmcompress.runtime import load_average
 
     modeled = costs.latency.of(costs.space, arch)
     from_file = M.modeled_gguf(costs.table, gguf_path)
     got = M.measure_gguf(gguf_path)
     return {"modeled_ms_per_token": modeled * 1e3, "modeled_from_file_ms_per_token": from_file * 1e3,
-            "measured_ms_per_token": got * 1e3, "error": modeled / got - 1, "load_average": M.loadavg(),
+            "measured_ms_per_token": got * 1e3, "error": modeled / got - 1, "load_average": load_average(),
             "protocol": costs.table["key"]["protocol"]}
 
 
