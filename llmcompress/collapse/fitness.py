@@ -159,6 +159,37 @@ def build_reference(model, blocks, *, topk: int, stride: int, batch: int, max_by
     return Reference(blocks, store, torch.cat(idx), torch.cat(lp), stride, label)
 
 
+def build_reference_streamed(runner, blocks, *, topk: int, stride: int, max_bytes: float, label: str = "", cache_dir=None) -> Reference:
+    """`build_reference` over an `io.stream.LayerRunner` (`runner.batch` blocks per forward): one pass layer by
+    layer (`io.stream.boundary_walk`, each layer read once), the boundary states gathered as they pass, the
+    top-k log-probabilities from the final norm and head at the scored positions only (as a candidate's KL
+    computes them, so the original scores KL 0 against itself). Equal to `build_reference` on the same
+    weights within float rounding (tests/test_collapse_stream.py)."""
+    import torch
+
+    from llmcompress.io.stream import boundary_walk
+
+    per_boundary: list[list[torch.Tensor]] = []
+
+    def on_layer(i, inputs, outputs):
+        if i == 0:
+            per_boundary.append(list(inputs))
+        per_boundary.append(list(outputs))
+
+    last = boundary_walk(runner, blocks, on_layer, description=f"reference {label} (streamed)".replace("  ", " "))
+    idx, lp = [], []
+    for h in last:
+        logp = torch.log_softmax(runner.logits(h[:, ::stride]).float(), dim=-1)
+        v, i_ = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+        idx.append(i_)
+        lp.append(v)
+        del logp
+    states = [torch.cat(p) for p in per_boundary]
+    per_boundary.clear()
+    store = StateStore(states, max_bytes, cache_dir)
+    return Reference(blocks, store, torch.cat(idx), torch.cat(lp), stride, label)
+
+
 # ---------------------------------------------------------------- evaluator
 
 
@@ -247,11 +278,20 @@ class Evaluator:
             recompute the original's forward for every evaluation, as a notebook does; benchmarks only).
         prefix_bytes: memory for candidates' own prefix states (0: only the original's prefix is reused).
         compute_dtype: "float32" (exact) or "bfloat16" (the candidate's layers under autocast; KL in fp32).
+        runner: an `io.stream.LayerRunner` whose model is `model` (streamed: a skeleton whose decoder layers
+            are read from disk when they run). A candidate then runs one group at a time over every block of
+            the split (collapse/stream.py: each source layer read once per evaluation) instead of one batch
+            at a time through every layer; the values are those of the batch order (same batches, same sums).
+            Racing has nothing to stop there (every layer has run before the first KL term), so a streamed
+            evaluation is never partial.
     """
 
     def __init__(self, model, calib: Reference, val: Reference | None, *, w_kl=1.0, w_sim=0.1, sim_blocks=2, batch=4, use_prefix=True,
-                 use_reference=True, prefix_bytes: float = 0.0, compute_dtype: str = "float32") -> None:
+                 use_reference=True, prefix_bytes: float = 0.0, compute_dtype: str = "float32", runner=None) -> None:
         self.model = model
+        self.runner = runner
+        if runner is not None and runner.model is not model:
+            raise ValueError("the runner must run the evaluator's model")
         self.adapter = get_adapter(model)
         self.layers = list(self.adapter.decoder_layers(model))
         self.refs = {"calib": calib, "val": val}
@@ -285,6 +325,8 @@ class Evaluator:
 
     def built_layer(self, cand: Candidate, g: int):
         """The collapsed layer of group g (original layer for a group of one); small LRU cache."""
+        if self.runner is not None:
+            raise RuntimeError("a runner's evaluator builds a group's layer only while it runs (collapse/stream.py)")
         grp = cand.groups[g]
         if len(grp) == 1:
             return self.layers[grp[0]]
@@ -417,7 +459,20 @@ class Evaluator:
 
     def final_hidden(self, cand: Candidate, ref: Reference, rows: slice):
         """The candidate's last hidden state (before the final norm) on `rows` of `ref`, from the original's prefix."""
+        if self.runner is not None:
+            g0 = self._first_group(cand)
+            h = self._run_groups(cand, g0, [ref.states.get(cand.groups[g0][0], rows)])[0][0]
+            self.stats.layers_run += (len(cand.groups) - g0) * int(h.shape[0])
+            return h
         return self._run_suffix(cand, ref, rows, self._first_group(cand), None)[0]
+
+    def _run_groups(self, cand: Candidate, g_start: int, hidden: list, keep=(), autocast: bool = True):
+        """Streamed (`runner`): per-batch states entering group `g_start` through the candidate's remaining
+        groups, one group at a time (collapse/stream.py); with `keep`, the states entering those groups too."""
+        from llmcompress.collapse.stream import CollapsedRunner, run_groups
+
+        ctx = (lambda: self._autocast(self.runner.device)) if autocast else None
+        return run_groups(CollapsedRunner(self.runner, cand), g_start, hidden, keep, ctx)
 
     def kl(self, cand: Candidate, ref: Reference) -> float:
         """Mean top-k KL(original || candidate) over the scored positions of `ref` (not memoized)."""
@@ -438,6 +493,8 @@ class Evaluator:
         if bound is not None and row0 > 0 and bound((total + KL_FLOOR * (n_pos - count)) / n_pos):
             return (total + KL_FLOOR * (n_pos - count)) / n_pos, False  # pruned before, and still
         batch = self.split_batch.get(split, self.batch)
+        if self.runner is not None:
+            return self._kl_streamed(cand, ref, split, g_start, state, keep, batch), True
         with torch.no_grad():
             for s in range(row0, ref.n_blocks, batch):
                 rows = slice(s, s + batch)
@@ -460,11 +517,36 @@ class Evaluator:
             self.prefix.put(prefix_key(split, cand, g), torch.cat(parts))
         return total / count, True
 
+    def _kl_streamed(self, cand: Candidate, ref: Reference, split, g_start: int, state, keep: list[int], batch: int) -> float:
+        """`_kl` for a runner: the same batches and the same sums, the groups run over all of them in turn."""
+        import torch
+
+        if not self.use_reference:
+            raise ValueError("a runner's evaluator scores against the cached reference (use_reference=True)")
+        starts = range(0, ref.n_blocks, batch)
+        if state is None:
+            hidden = [ref.states.get(cand.groups[g_start][0], slice(s, s + batch)) for s in starts]
+        else:
+            hidden = [state[s : s + batch].to(ref.states.device) for s in starts]
+        with torch.no_grad():
+            hidden, kept = self._run_groups(cand, g_start, hidden, keep)
+            self.stats.layers_run += (len(cand.groups) - g_start) * ref.n_blocks
+            total, count = 0.0, 0
+            for s, h in zip(starts, hidden):
+                kl = self.scored_kl(h[:, :: ref.stride].float(), ref.top_idx[s : s + batch], ref.top_logp[s : s + batch])
+                total += float(kl.sum())
+                count += kl.numel()
+        for g, parts in kept.items():
+            self.prefix.put(prefix_key(split, cand, g), torch.cat([t.detach() for t in parts]))
+        return total / count
+
     def scored_kl(self, h: torch.Tensor, top_idx: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
         """Per-position top-k KL of a candidate's last hidden state `h` (before the final norm, at the scored
         positions) against the original's top-k log-probabilities; differentiable in `h` (tune.py)."""
         import torch
 
+        if self.runner is not None:  # its head may be kept narrower than the compute dtype (io/stream.py)
+            return topk_kl(torch.log_softmax(self.runner.logits(h).float(), dim=-1), top_idx, top_logp)
         logits = self.adapter.head(self.model)(self.adapter.norm(self.model)(h))
         return topk_kl(torch.log_softmax(logits.float(), dim=-1), top_idx, top_logp)
 
@@ -487,7 +569,14 @@ class Evaluator:
             rows = slice(0, self.sim_blocks)
             h_in, h_ref = ref.states.get(grp[0], rows), ref.states.get(grp[-1] + 1, rows)
             with torch.no_grad():
-                h_new = run_layers(self.model, h_in, [self.built_layer(cand, g)], [grp[0]], output="hidden")
+                if self.runner is not None:
+                    from llmcompress.collapse.stream import CollapsedRunner
+
+                    cr = CollapsedRunner(self.runner, cand)
+                    with cr.layer(g) as layer:
+                        h_new = cr.run(g, layer, h_in)
+                else:
+                    h_new = run_layers(self.model, h_in, [self.built_layer(cand, g)], [grp[0]], output="hidden")
             self._sim_memo[key] = float(update_cosine(h_in, h_ref, h_new))
         return self._sim_memo[key]
 
@@ -500,8 +589,13 @@ class Evaluator:
         rows = slice(0, n_blocks)
         if cand.first_changed() is None:
             return 1.0
-        start, layers, origin = self._suffix(cand)
         cols = slice(0, max_tokens)
+        if self.runner is not None:
+            g0 = cand.first_changed() if self.use_prefix else 0
+            with torch.no_grad():
+                h = self._run_groups(cand, g0, [ref.states.get(cand.groups[g0][0], rows)[:, cols]], autocast=False)[0][0]
+            return float(F.cosine_similarity(h.float(), ref.states.get(self.n_layers, rows)[:, cols].float(), dim=-1).mean())
+        start, layers, origin = self._suffix(cand)
         with torch.no_grad():
             h = run_layers(self.model, ref.states.get(start, rows)[:, cols], layers, origin, output="hidden")
         return float(F.cosine_similarity(h.float(), ref.states.get(self.n_layers, rows)[:, cols].float(), dim=-1).mean())
@@ -516,31 +610,42 @@ def fitness_is_finite(f: Fitness) -> bool:
     return math.isfinite(f.kl) and math.isfinite(f.fitness)
 
 
-def prepare(cfg, lm, *, calib_blocks=None, val_blocks=None, cache_dir=None):
+def prepare(cfg, lm, *, calib_blocks=None, val_blocks=None, cache_dir=None, runner=None):
     """The Evaluator of a collapse run (a `CollapseConfig`) on a loaded model: calibration/validation blocks
-    (read unless given) and their cached references."""
+    (read unless given) and their cached references. With `runner` (an `io.stream.LayerRunner` over
+    `lm.model`, streamed for a model larger than memory), the references are built layer by layer and the
+    candidates run group by group (`build_reference_streamed`, `Evaluator(runner=)`); `self` data, which is
+    sampled from the whole model, is then unavailable (one-line error)."""
     from llmcompress.collapse.config import resolve_fitness_dtype
     from llmcompress.data import calibration_blocks
 
     n_cal, n_val = cfg.calib_tokens // cfg.seq_len, cfg.val_tokens // cfg.seq_len
     labels = {}
+    sampler = None if runner is not None and runner.streamed else lm.model
     if calib_blocks is None:
         calib_blocks, labels["calib"] = calibration_blocks(
-            lm.tokenizer, cfg.calib_source, split=cfg.calib_split, seq_len=cfg.seq_len, n_blocks=n_cal, seed=cfg.seed, model=lm.model
+            lm.tokenizer, cfg.calib_source, split=cfg.calib_split, seq_len=cfg.seq_len, n_blocks=n_cal, seed=cfg.seed, model=sampler
         )
     if val_blocks is None:
         val_blocks, labels["val"] = calibration_blocks(
             lm.tokenizer, cfg.calib_source, split=cfg.calib_split, seq_len=cfg.seq_len, n_blocks=n_val, seed=cfg.seed,
-            offset=cfg.val_offset, model=lm.model,
+            offset=cfg.val_offset, model=sampler,
         )
     max_bytes = cfg.max_cache_gb * 2**30 / 2  # half the budget each for calibration and validation
-    common = dict(topk=cfg.kl_topk, stride=cfg.kl_stride, batch=cfg.batch_blocks, max_bytes=max_bytes, cache_dir=cache_dir)
-    calib = build_reference(lm.model, calib_blocks, label=labels.get("calib", "given"), **common)
-    val = build_reference(lm.model, val_blocks, label=labels.get("val", "given"), **common)
+    common = dict(topk=cfg.kl_topk, stride=cfg.kl_stride, max_bytes=max_bytes, cache_dir=cache_dir)
+    if runner is not None:
+        runner.batch = cfg.batch_blocks
+        calib = build_reference_streamed(runner, calib_blocks, label=labels.get("calib", "given"), **common)
+        val = build_reference_streamed(runner, val_blocks, label=labels.get("val", "given"), **common)
+        device = runner.device
+    else:
+        calib = build_reference(lm.model, calib_blocks, label=labels.get("calib", "given"), batch=cfg.batch_blocks, **common)
+        val = build_reference(lm.model, val_blocks, label=labels.get("val", "given"), batch=cfg.batch_blocks, **common)
+        device = next(lm.model.parameters()).device
     ev = Evaluator(lm.model, calib, val, w_kl=cfg.w_kl, w_sim=cfg.w_sim, sim_blocks=cfg.sim_blocks, batch=cfg.batch_blocks,
-                   prefix_bytes=cfg.prefix_cache_gb * 2**30,
-                   compute_dtype=resolve_fitness_dtype(cfg.fitness_dtype, next(lm.model.parameters()).device.type))
+                   prefix_bytes=cfg.prefix_cache_gb * 2**30, runner=runner,
+                   compute_dtype=resolve_fitness_dtype(cfg.fitness_dtype, device.type))
     return ev
 
 
-__all__ = ["Evaluator", "Fitness", "Reference", "build_reference", "topk_kl", "update_cosine", "block_influence", "prepare"]
+__all__ = ["Evaluator", "Fitness", "Reference", "build_reference", "build_reference_streamed", "topk_kl", "update_cosine", "block_influence", "prepare"]

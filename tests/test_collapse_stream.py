@@ -1,0 +1,118 @@
+"""The collapse search streamed layer by layer (collapse/stream.py, `Evaluator(runner=)`): on a tiny LLaMA built
+from config and saved as safetensors, the streamed reference and fitness equal the in-memory ones (float32,
+within 1e-5 relative: the reference's head runs on the scored positions only, and the layers see the same
+batches), and a seeded search with its baselines returns the same front and the same picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, tiny_model
+
+from llmcompress.collapse.baselines import laco, shortgpt
+from llmcompress.collapse.config import CollapseConfig
+from llmcompress.collapse.fitness import Evaluator, build_reference, build_reference_streamed
+from llmcompress.collapse.space import Candidate
+from llmcompress.io.stream import LayerRunner
+
+RTOL = 1e-5
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """(in-memory evaluator, streamed evaluator) of one tiny 8-layer LLaMA on the same blocks."""
+    model = tiny_model("llama", layers=8)
+    path = tmp_path / "tiny"
+    model.save_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    cb, vb = torch.randint(3, TINY_VOCAB, (6, 24), generator=g), torch.randint(3, TINY_VOCAB, (3, 24), generator=g)
+    kw = dict(topk=16, stride=2, max_bytes=1e9)
+    mem = Evaluator(model, build_reference(model, cb, batch=3, **kw), build_reference(model, vb, batch=3, **kw), batch=3,
+                    prefix_bytes=2**26)
+    runner = LayerRunner.open(path, dtype=torch.float32, batch=3)
+    st = Evaluator(runner.model, build_reference_streamed(runner, cb, **kw), build_reference_streamed(runner, vb, **kw), batch=3,
+                   prefix_bytes=2**26, runner=runner)
+    yield mem, st
+    runner.close()
+
+
+def _merge(groups, alphas):
+    return Candidate(tuple(tuple(g) for g in groups), tuple(tuple(tuple(a) for a in al) for al in alphas))
+
+
+CANDS = [
+    Candidate.from_keep(8, {3}),  # one layer dropped
+    Candidate.from_keep(8, {2, 5, 6}),
+    # layers 2..4 merged (layer 3 at alpha (1, 0.5, 0.25) per kind, layer 4 dropped), then 6+7 RDSC-merged
+    _merge([[0], [1], [2, 3, 4], [5], [6, 7]],
+           [[], [], [(1.0, 0.5, 0.25), (0.0, 0.0, 0.0)], [], [(1.0, 1.0, 1.0)]]),
+]
+
+
+def test_streamed_reference_and_fitness_equal_in_memory(pair):
+    mem, st = pair
+    for split in ("calib", "val"):
+        a, b = mem.refs[split], st.refs[split]
+        for i in range(len(a.states)):
+            torch.testing.assert_close(b.states.all()[i], a.states.all()[i], rtol=RTOL, atol=1e-5)
+        assert torch.equal(a.top_idx, b.top_idx)
+        torch.testing.assert_close(b.top_logp, a.top_logp, rtol=RTOL, atol=1e-5)
+    assert st.total_params == mem.total_params and st.layer_params == mem.layer_params
+    for c in CANDS:
+        for split in ("calib", "val"):
+            fa, fb = mem.evaluate(c, split), st.evaluate(c, split)
+            assert fb.fitness == pytest.approx(fa.fitness, rel=RTOL) and fb.kl == pytest.approx(fa.kl, rel=RTOL)
+            assert fb.params == fa.params and not fb.partial
+        assert st.final_similarity(c, 2, max_tokens=16) == pytest.approx(mem.final_similarity(c, 2, max_tokens=16), rel=RTOL)
+    assert st.evaluate(Candidate.from_keep(8, set())).kl == 0.0
+    # a candidate sharing a prefix with one scored before starts at the deepest shared boundary, same value
+    child = _merge([[0], [1], [2, 3, 4], [5], [6], [7]], [[], [], [(1.0, 0.5, 0.25), (0.0, 0.0, 0.0)], [], [], []])
+    hits = st.stats.prefix_hits
+    assert st.evaluate(child).fitness == pytest.approx(mem.evaluate(child).fitness, rel=RTOL)
+    assert st.stats.prefix_hits == hits + 1
+
+
+def test_streamed_fitness_reads_only_the_layers_a_group_needs(pair, monkeypatch):
+    """A group's dropped layers (every coefficient 0) are never read; at most one group's sources are resident."""
+    _, st = pair
+    runner = st.runner
+    read, resident, peak = [], set(), [0]
+    real = runner.layer
+
+    from contextlib import contextmanager
+
+    @contextmanager
+    def spy(i):
+        read.append(i)
+        resident.add(i)
+        peak[0] = max(peak[0], len(resident))
+        with real(i) as layer:
+            yield layer
+        resident.discard(i)
+
+    monkeypatch.setattr(runner, "layer", spy)
+    st.evaluate(CANDS[2])
+    # the two merged groups' similarity (each once, memoized), then the KL: each layer of the suffix read once
+    assert read == [2, 3, 6, 7] + [2, 3, 5, 6, 7]
+    assert peak[0] == 2  # group [2, 3, 4]: layers 2 and 3 only (layer 4 is dropped)
+    assert all(p.device.type == "meta" for layer in st.layers for p in layer.parameters())  # freed again
+
+
+def _search(ev, out, seed):
+    from llmcompress.collapse.search import run_search, select_by_validation
+
+    cfg = CollapseConfig(population=5, generations=2, seed=seed, min_layers=5, sim_blocks=1, max_group=3)
+    seeds = [shortgpt(ev, n) for n in (5, 6, 7)] + list(laco(ev, 5, n_blocks=1, max_tokens=16).values())
+    hist = run_search(cfg, ev, seeds, out, model_id="tiny")
+    picks = select_by_validation(ev, 5, 7)
+    return ([[c.key for c, _, _ in g.front] for g in hist], [c.key for c, _, _ in picks],
+            [f.fitness for g in hist for _, f, _ in g.front] + [v.fitness for _, _, v in picks])
+
+
+def test_streamed_search_returns_the_in_memory_front(pair, tmp_path):
+    mem, st = pair
+    fronts_a, picks_a, fit_a = _search(mem, tmp_path / "a", seed=1)
+    fronts_b, picks_b, fit_b = _search(st, tmp_path / "b", seed=1)
+    assert fronts_a == fronts_b and picks_a == picks_b
+    assert fit_b == pytest.approx(fit_a, rel=RTOL)
+    assert any(len(g) > 1 for k in picks_b for g in k[0]) or any(len(k[0]) < 8 for k in picks_b)
