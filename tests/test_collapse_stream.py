@@ -116,3 +116,52 @@ def test_streamed_search_returns_the_in_memory_front(pair, tmp_path):
     assert fronts_a == fronts_b and picks_a == picks_b
     assert fit_b == pytest.approx(fit_a, rel=RTOL)
     assert any(len(g) > 1 for k in picks_b for g in k[0]) or any(len(k[0]) < 8 for k in picks_b)
+
+
+def test_streamed_candidate_perplexity_equals_the_built_model(pair):
+    """The report's perplexity of a candidate, streamed (CollapsedRunner through io.stream.streamed_nll), equals
+    that of the candidate's model built in memory."""
+    from llmcompress.collapse.export import build_model
+    from llmcompress.collapse.stream import CollapsedRunner
+    from llmcompress.eval.perplexity import nll_of_blocks
+    from llmcompress.io.stream import streamed_nll
+
+    mem, st = pair
+    blocks = torch.randint(3, TINY_VOCAB, (4, 20), generator=torch.Generator().manual_seed(5))
+    a, n_a = nll_of_blocks(build_model(mem.model, CANDS[2]), blocks, batch_size=2)
+    b, n_b = streamed_nll(CollapsedRunner(st.runner, CANDS[2]), blocks)
+    assert n_a == n_b and b == pytest.approx(a, rel=RTOL)
+
+
+def test_collapse_above_max_memory_streams_with_the_in_memory_result(tiny_hf_dir, tmp_path, capsys):
+    """run_collapse with max_memory=0 says it streams (one line) and gives the in-memory front, picks and
+    checkpoints (same tensors and weights hash; written a group at a time as shards)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from llmcompress.collapse.pipeline import run_collapse
+
+    text = tmp_path / "calib.txt"
+    text.write_text(("The quick brown fox jumps over the lazy dog. " * 40 + "\n\n") * 6)
+    cfg = dict(model=str(tiny_hf_dir), calib_source=str(text), seq_len=32, calib_tokens=128, val_tokens=64, population=4,
+               generations=1, eval_tokens=0, piqa_limit=0, laco_threshold=0.0, min_layers=3, save="all", refine_steps=1,
+               tune_steps=0, batch_blocks=2)
+    runs = {}
+    for arm, budget in (("mem", None), ("stream", 0)):
+        capsys.readouterr()
+        runs[arm] = run_collapse(CollapseConfig(**cfg), tmp_path / arm, max_memory=budget)
+        err = capsys.readouterr().err
+        assert ("streaming its layers from disk one at a time for the collapse search" in err) == (arm == "stream"), err
+    a, b = runs["mem"], runs["stream"]
+    assert [r["name"] for r in a.front] == [r["name"] for r in b.front] and [r["groups"] for r in a.front] == [r["groups"] for r in b.front]
+    assert [r["fitness_val"] for r in b.front] == pytest.approx([r["fitness_val"] for r in a.front], rel=RTOL)
+    assert len(a.saved) == len(b.saved) > 0
+    for pa, pb in zip(a.saved, b.saved):
+        ma, mb = (json.loads((p / "llmcompress.json").read_text()) for p in (pa, pb))
+        assert ma["weights_sha256"] == mb["weights_sha256"] and ma["layer_map"] == mb["layer_map"]
+        assert (ma["layers"], ma["parameters"], ma["dtype"]) == (mb["layers"], mb["parameters"], mb["dtype"])
+        assert (pb / "model.safetensors.index.json").is_file()
+        sa, sb = (AutoModelForCausalLM.from_pretrained(p).state_dict() for p in (pa, pb))
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert "streamed layer by layer" in json.loads((tmp_path / "stream" / "pareto.json").read_text())["settings"]

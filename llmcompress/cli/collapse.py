@@ -12,6 +12,7 @@ from llmcompress.cli._options import (
     DeviceOpt,
     DtypeOpt,
     EngineModelArg,
+    MaxMemoryOpt,
     OverwriteOpt,
     PushOpt,
     ResumeOpt,
@@ -43,6 +44,7 @@ def collapse_command(
     max_cache_gb: Annotated[Optional[float], typer.Option("--max-cache-gb", help="Memory for cached states; beyond it they go to disk.")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    max_memory: MaxMemoryOpt = None,
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for the saved checkpoint (default: the source model's dtype).")] = None,
     resume: ResumeOpt = False,
     allow_pickle: AllowPickleOpt = False,
@@ -55,9 +57,11 @@ def collapse_command(
 
     from llmcompress.collapse.config import CollapseConfig, config_from_dict, load_spec
     from llmcompress.errors import UserError
+    from llmcompress.io.stream import parse_memory
     from llmcompress.runtime import resolve_compute
 
     dev, dt = resolve_compute(device, dtype, model)  # a missing GPU fails here, before anything is read or written
+    budget = parse_memory(max_memory)
     cfg = load_spec(spec) if spec is not None else CollapseConfig()
     modes = [m for m in (pareto, target_layers is not None, ratio is not None) if m]
     if len(modes) > 1:
@@ -103,7 +107,7 @@ def collapse_command(
         note_output(out)
 
     with removed_if_left_empty(out) if main else contextlib.nullcontext():
-        result = run_collapse(cfg, out, overwrite=overwrite, resume=resume, device=str(dev), dtype=dt)
+        result = run_collapse(cfg, out, overwrite=overwrite, resume=resume, device=str(dev), dtype=dt, max_memory=budget)
     if not main:
         return
     typer.echo(f"wrote {result.out_dir}: {len(result.front)} solution(s) on the front, {len(result.saved)} checkpoint(s)")

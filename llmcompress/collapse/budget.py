@@ -69,7 +69,7 @@ def choose(minutes: float, sec_per_block: float, **kw) -> Plan:
     return Plan(dict(best), predict_seconds(best, sec_per_block, **kw), sec_per_block, budget)
 
 
-def measure(lm, cfg, n_cands: int = 3) -> float:
+def measure(lm, cfg, n_cands: int = 3, runner=None) -> float:
     """Seconds per candidate-block on this machine: a few drop candidates timed on two calibration blocks."""
     import dataclasses
 
@@ -77,7 +77,7 @@ def measure(lm, cfg, n_cands: int = 3) -> float:
     from llmcompress.collapse.space import Candidate
 
     small = dataclasses.replace(cfg, calib_tokens=2 * cfg.seq_len, val_tokens=cfg.seq_len, prefix_cache_gb=0.0)
-    ev = prepare(small, lm)
+    ev = prepare(small, lm, runner=runner)
     try:
         L = ev.n_layers
         pos = sorted({max(1, min(L - 1, round(L * f))) for f in (0.45, 0.55, 0.65)[:n_cands]})

@@ -127,11 +127,20 @@ def plot_front(path: Path, records: list[dict], baselines: list[dict], title: st
 def save_solution(model, tokenizer, cand: Candidate, record: dict, out: Path, *, source: str, source_hash: str, config: dict, overwrite: bool,
                   dtype: str | None = None):
     """Write the collapsed model as a HF checkpoint with its layer map in the manifest."""
-    from llmcompress.io.checkpoint import build_manifest, save_checkpoint
+    from llmcompress.io.checkpoint import save_checkpoint
 
     new = build_model(model, cand)
+    manifest = solution_manifest(cand, record, source=source, source_hash=source_hash, config=config)
+    save_checkpoint(new, tokenizer, out, manifest=manifest, overwrite=overwrite, dtype=dtype)
+    return new
+
+
+def solution_manifest(cand: Candidate, record: dict, *, source: str, source_hash: str, config: dict) -> dict:
+    """The llmcompress.json of a saved solution (before the checkpoint's closing fields): its layer map and metrics."""
+    from llmcompress.io.checkpoint import build_manifest
+
     metrics = {k: record.get(k) for k in ("kl_calib", "kl_val", "sim_calib", *QUALITY) if record.get(k) is not None}
-    manifest = build_manifest(
+    return build_manifest(
         source=source,
         source_hash=source_hash,
         method=f"collapse/{record.get('method', config.get('method'))}",
@@ -139,8 +148,6 @@ def save_solution(model, tokenizer, cand: Candidate, record: dict, out: Path, *,
         metrics=metrics,
         extra={"layer_map": cand.layer_map(), "original_layers": sum(len(g) for g in cand.groups)},
     )
-    save_checkpoint(new, tokenizer, out, manifest=manifest, overwrite=overwrite, dtype=dtype)
-    return new
 
 
 HELD_OUT_SEED = 1_000_003  # added to the run's seed: held-out self text never shares a seed with calibration/validation
@@ -187,6 +194,42 @@ def quality(model, tokenizer, *, eval_tokens: int, seq_len: int, piqa_limit: int
         row = measure_noted(model, tokenizer, spec)
         out.update({k: row[k] for k in (WIKITEXT2_PPL, PIQA_ACC) if k in row})
         notes += row.get(NOTES, [])
+    if notes:
+        out[NOTES] = notes
+    return out
+
+
+STREAMED_PIQA_NOTE = "PIQA not measured: the model is streamed layer by layer (above --max-memory) and lm-eval needs it whole"
+STREAMED_SELF_NOTE = ("perplexity not measured: WikiText-2 is not here, and held-out self text is sampled from the whole model, "
+                      "which is streamed layer by layer (above --max-memory)")
+
+
+def quality_streamed(runner, tokenizer, *, eval_tokens: int, seq_len: int, piqa_limit: int, self_text: bool = False) -> dict:
+    """`quality` for a model streamed layer by layer: `runner` is an `io.stream.LayerRunner` (the dense model) or
+    a `collapse.stream.CollapsedRunner` (a candidate, never built whole). WikiText-2 perplexity through
+    `io.stream.streamed_nll` (the windows `wikitext2_spec` scores; missing data becomes a note, as in
+    `quality`); PIQA and held-out self text, which need the whole model, become notes."""
+    import math
+
+    from llmcompress.eval.perplexity import perplexity_blocks
+    from llmcompress.eval.report import UNAVAILABLE, unavailable_note, wikitext2_spec
+    from llmcompress.io.stream import streamed_nll
+
+    out: dict = {}
+    notes: list[str] = []
+    if eval_tokens > 0 and self_text:
+        notes.append(STREAMED_SELF_NOTE)
+    elif eval_tokens > 0 and tokenizer is not None:
+        spec = wikitext2_spec(eval_tokens, min(seq_len, eval_tokens))
+        try:
+            blocks = perplexity_blocks(tokenizer, "wikitext2", seq_len=spec.seq_len, max_tokens=spec.max_tokens)
+        except UNAVAILABLE as exc:
+            notes.append(unavailable_note(f"perplexity on wikitext2 ({WIKITEXT2_PPL})", exc))
+        else:
+            nll, n = streamed_nll(runner, blocks, description="ppl wikitext2 (streamed)")
+            out[WIKITEXT2_PPL] = math.exp(nll / n)
+    if piqa_limit > 0 and tokenizer is not None:
+        notes.append(STREAMED_PIQA_NOTE)
     if notes:
         out[NOTES] = notes
     return out

@@ -30,6 +30,8 @@ class Job:
     hi: int = 0
     evaluation: dict | None = None  # which corpora the quality measures read (`_evaluation_sources`)
     plan: str | None = None  # --budget-minutes: the sizes chosen
+    max_memory: int | None = None  # --max-memory in bytes (None: the memory available)
+    runner: Any = None  # io/stream.py LayerRunner when the model is streamed (larger than max_memory)
 
 
 @dataclass
@@ -72,7 +74,7 @@ def _record(ev, name, method, cand):
 
 
 def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False, resume: bool = False, lm=None, stop_after=None,
-                 device: str = "cpu", dtype=None) -> CollapseResult:
+                 device: str = "cpu", dtype=None, max_memory: int | None = None) -> CollapseResult:
     """Run a collapse search (or a baseline) and write every output under `out_dir`.
 
     Args:
@@ -82,6 +84,11 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
         stop_after: stop the search after this generation (simulates an interruption).
         device: where the model, its cached states and every candidate run ("cpu", "cuda[:N]", "auto").
         dtype: torch dtype the model is loaded and run in (None: float32; the CLI resolves --dtype).
+        max_memory: bytes the model may take (None: the memory available; 0: always stream). A safetensors
+            model larger than it is streamed layer by layer (`io.stream.should_stream`, said on stderr): the
+            references, every candidate's fitness, the report's perplexities and the checkpoints are computed
+            from its layers read one group at a time (collapse/stream.py); coefficient tuning and PIQA,
+            which need the whole model, are skipped with a notice.
     """
     from llmcompress.collapse.parallel import from_env
     from llmcompress.runtime import resolve_device
@@ -91,7 +98,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
     dev, _ = resolve_device(device)
     info = from_env(dev.type)  # under torchrun: each rank scores a slice of every population; rank 0 writes
     try:
-        return _run_collapse(Job(cfg, out_dir, overwrite, resume, stop_after, lm=lm, dev=dev, info=info, dtype=dtype))
+        return _run_collapse(Job(cfg, out_dir, overwrite, resume, stop_after, lm=lm, dev=dev, info=info, dtype=dtype, max_memory=max_memory))
     finally:
         if info.active:
             import torch.distributed as dist
@@ -101,16 +108,61 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
 
 
 def _run_collapse(job: Job) -> CollapseResult:
+    from llmcompress.io.load import load_model
+    from llmcompress.io.rundir import claim
+
+    if job.lm is None:  # above the memory budget: a streamed skeleton (says so), before anything is written
+        job.lm, job.runner = _open_streamed(job)
+    run_dir = claim(job.out_dir, overwrite=job.overwrite, resume=job.resume, stale=stale_files()) if job.info.is_main else None
+    job.lm = job.lm or load_model(job.cfg.model, device=job.dev, dtype=job.dtype)
+    try:
+        return _prepared(job, run_dir)
+    finally:
+        if job.runner is not None:
+            job.runner.close()
+
+
+def _open_streamed(job: Job):
+    """(LoadedModel over a streamed skeleton, its LayerRunner) when the model is above the memory budget
+    (`io.stream.should_stream` says so on stderr), else (None, None)."""
+    import json
+    import sys
+
+    import torch
+
+    from llmcompress.io.dtypes import detect_source_dtype
+    from llmcompress.io.load import LoadedModel, resolve
+    from llmcompress.io.stream import LayerRunner, should_stream
+
+    cfg = job.cfg
+    dtype = job.dtype or torch.float32
+    path = should_stream(cfg.model, dtype, job.dev, job.max_memory, what="the collapse search")
+    if path is None:
+        return None, None
+    from transformers import AutoTokenizer
+
+    runner = LayerRunner.open(path, dtype=dtype, device=job.dev, batch=cfg.batch_blocks)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    source = path / "source.json"  # a converted alias or GGUF: the hash of the file it came from
+    source_hash = json.loads(source.read_text()).get("sha256", "") if source.is_file() else ""
+    kind, where = resolve(cfg.model)
+    if cfg.method == "gelaco" and cfg.tune_steps > 0 and job.info.is_main:
+        print("notice: merge-coefficient tuning is skipped when streamed (it back-propagates through every layer after "
+              "the first changed one at once)", file=sys.stderr)
+    lm = LoadedModel(runner.model, tok, str(cfg.model), runner.adapter, source_hash, {}, detect_source_dtype(kind, where))
+    return lm, runner
+
+
+def _prepared(job: Job, run_dir) -> CollapseResult:
     from llmcompress.collapse.fitness import STATES_PREFIX, prepare
     from llmcompress.collapse.search import load_state, make_space
     from llmcompress.io.atomic import write_json
-    from llmcompress.io.load import load_model
-    from llmcompress.io.rundir import claim, clean
+    from llmcompress.io.rundir import clean
     from llmcompress.runtime import seed_everything
 
-    out_dir, info = job.out_dir, job.info
-    run_dir = claim(out_dir, overwrite=job.overwrite, resume=job.resume, stale=stale_files()) if info.is_main else None
-    job.lm = lm = job.lm or load_model(job.cfg.model, device=job.dev, dtype=job.dtype)
+    out_dir, info, lm = job.out_dir, job.info, job.lm
     L = lm.model.config.num_hidden_layers
     job.cfg, job.plan = _sized(job, L)
     cfg = job.cfg
@@ -131,7 +183,7 @@ def _run_collapse(job: Job) -> CollapseResult:
         clean(out_dir, [STATES_PREFIX + "*"])  # states spilled to disk by a killed run: never reused, even on --resume
     info.barrier()  # the other ranks spill their states into out_dir too (each its own temp dir)
     job.evaluation = _evaluation_sources(cfg) if info.is_main else None
-    job.ev = prepare(cfg, lm, cache_dir=out_dir)  # reads the calibration data: bad data fails before anything is written
+    job.ev = prepare(cfg, lm, cache_dir=out_dir, runner=job.runner)  # reads the calibration data: bad data fails before anything is written
     if info.is_main:
         write_json(out_dir / "config.json", cfg.to_dict())
     try:
@@ -157,7 +209,7 @@ def _sized(job: Job, L: int):
         old = json.loads(saved.read_text())
         settings = {k: old[k] for k in budget.LADDER[0] if k in old}
         return dataclasses.replace(cfg, **settings), f"--budget-minutes {cfg.budget_minutes:g}: resumed with the sizes chosen at the start"
-    sec = budget.measure(lm, cfg)
+    sec = budget.measure(lm, cfg, runner=job.runner)
     sec = info.broadcast(sec)  # every rank sizes the search alike
     plan = budget.choose(cfg.budget_minutes, sec, n_layers=L, seq_len=cfg.seq_len, pareto=cfg.pareto, gelaco=cfg.method == "gelaco",
                          batch=cfg.batch_blocks)
@@ -188,8 +240,10 @@ def _evaluation_sources(cfg) -> dict:
     return out
 
 
-def _tunes(cfg) -> bool:
-    return cfg.method == "gelaco" and cfg.tune_steps > 0
+def _tunes(cfg, streamed: bool = False) -> bool:
+    """Whether the run tunes merge coefficients: gelaco with tuning steps, in memory (tuning back-propagates
+    through every layer after the first changed one at once, which a streamed run never holds)."""
+    return cfg.method == "gelaco" and cfg.tune_steps > 0 and not streamed
 
 
 def _refine_picks(job: Job, picks, seeds, target):
@@ -226,7 +280,7 @@ def _refine_picks(job: Job, picks, seeds, target):
 
                 best = refine(ev, space, c, steps=cfg.refine_steps, screen_blocks=cfg.refine_screen_blocks, top=cfg.refine_top,
                               state_path=out_dir / STATE_FILE, on_step=tick).best
-        if _tunes(cfg) and best.first_changed() is not None and is_main():  # not a collective step: rank 0 alone
+        if _tunes(cfg, job.runner is not None) and best.first_changed() is not None and is_main():  # not a collective step: rank 0 alone
             with bar(f"tune {c.n_layers} layers", total=cfg.tune_steps) as b:
                 tuned = T.tune(ev, best, steps=cfg.tune_steps, lr=cfg.tune_lr, per_kind=cfg.alpha_per_kind,
                                state_path=out_dir / T.STATE_FILE, on_step=lambda rec: b.advance(info=f"KL {rec['kl_batch']:.3f}"))
@@ -235,7 +289,7 @@ def _refine_picks(job: Job, picks, seeds, target):
     return out, counts
 
 
-def _refined_text(cfg, refined: set[int]) -> str:
+def _refined_text(cfg, refined: set[int], streamed: bool = False) -> str:
     if not refined:
         return ""
     text = f"; at {sorted(refined)} layers"
@@ -243,7 +297,7 @@ def _refined_text(cfg, refined: set[int]) -> str:
         moves = "swap moves, then swap or merge-coefficient moves" if cfg.method == "gelaco" else "swap moves"
         text += (f" refined by a walk of {moves} (up to {cfg.refine_steps} per phase, racing on "
                  f"{cfg.refine_screen_blocks} calibration blocks), the walk's best point on validation")
-    if _tunes(cfg):
+    if _tunes(cfg, streamed):
         text += (("," if cfg.refine_steps > 0 else "") + f" merge coefficients tuned by {cfg.tune_steps} Adam steps on the "
                  "calibration KL, kept where they lower the validation fitness")
     return text
@@ -258,6 +312,12 @@ def _settings_text(cfg, ev) -> str:
             f"{cfg.kl_stride}th position, candidate layers in {ev.compute_dtype} (fitness_dtype {cfg.fitness_dtype}), racing {'on' if cfg.racing else 'off'}, seed {cfg.seed}")
     return text + (f"; baseline rows: ShortGPT's Block Influence and LaCo (threshold {cfg.laco_threshold}, {cfg.laco_blocks} block) on "
                    f"the same calibration blocks")
+
+
+def _streamed_text(cfg) -> str:
+    return ("; streamed layer by layer from the safetensors files (the model is above the memory budget): references by one "
+            "pass, each candidate's groups built from their source layers and run over every block in turn (racing has "
+            "nothing to stop), the checkpoints written a group at a time" + (", no coefficient tuning" if cfg.method == "gelaco" and cfg.tune_steps > 0 else ""))
 
 
 def _compare_counts(cfg, lo, hi, target) -> list[int]:
@@ -298,7 +358,7 @@ def _run(job: Job) -> CollapseResult:
         if job.stop_after is not None and history and history[-1].gen < cfg.generations:
             return CollapseResult(out_dir, [], [])
         picks = select_by_validation(ev, lo, hi)
-        if (cfg.refine_steps > 0 or _tunes(cfg)) and picks:
+        if (cfg.refine_steps > 0 or _tunes(cfg, job.runner is not None)) and picks:
             picks, refined = _refine_picks(job, picks, seeds, target)
         if not world().is_main:  # the other ranks' share ends with the last collective step
             return CollapseResult(out_dir, [], [])
@@ -322,21 +382,42 @@ def _run(job: Job) -> CollapseResult:
     evaluation = evaluation or {"ppl_source": "wikitext2", "piqa_limit": cfg.piqa_limit, "piqa_note": None}
     q = dict(eval_tokens=cfg.eval_tokens, seq_len=cfg.eval_seq_len, piqa_limit=evaluation["piqa_limit"])
     ppl_protocol = None
-    if evaluation["ppl_source"] == "self":
+    runner = job.runner  # streamed: every quality measure and checkpoint from layers read a group at a time
+
+    def quality(cand, **over):
+        """The report's quality of `cand` (None: the dense model), built whole in memory or streamed."""
+        if runner is not None:
+            from llmcompress.collapse.stream import CollapsedRunner
+
+            return E.quality_streamed(runner if cand is None else CollapsedRunner(runner, cand), lm.tokenizer,
+                                      self_text=evaluation["ppl_source"] == "self", **{**q, **over})
+        if cand is None:
+            return E.quality(lm.model, lm.tokenizer, **{**q, **over})
+        model = E.build_model(lm.model, cand)
+        return E.quality(model, lm.tokenizer, **{**q, **over})
+
+    if evaluation["ppl_source"] == "self" and runner is None:
         q["ppl_blocks"] = E.held_out_self_blocks(lm.model, lm.tokenizer, eval_tokens=cfg.eval_tokens, seq_len=cfg.eval_seq_len, seed=cfg.seed)
         n, seq = q["ppl_blocks"].shape
         ppl_protocol = (f"held-out self text: {n} sequences of {seq} tokens sampled from the dense model (seed {cfg.seed + E.HELD_OUT_SEED}, "
                         "disjoint from the calibration and validation text), each scored on its own; WikiText-2 was not reachable")
     dense = {"name": "dense", "layers": L, "params": ev.total_params, "kl_calib": 0.0, "kl_val": 0.0, "changes": "original",
-             **E.quality(lm.model, lm.tokenizer, **q)}
+             **quality(None)}
     from llmcompress.io.dtypes import save_dtype_for
 
     saved = []
     for r in chosen:
         path = out_dir / "models" / r["name"]
-        model = E.save_solution(lm.model, lm.tokenizer, cands[r["name"]], r, path, source=cfg.model, source_hash=lm.source_hash,
-                                config=cfg.to_dict(), overwrite=True, dtype=save_dtype_for(lm, cfg.save_dtype))
-        r.update(E.quality(model, lm.tokenizer, **q))
+        save = dict(source=cfg.model, source_hash=lm.source_hash, config=cfg.to_dict(), overwrite=True, dtype=save_dtype_for(lm, cfg.save_dtype))
+        if runner is not None:
+            from llmcompress.collapse.stream import save_solution_streamed
+
+            save_solution_streamed(runner, lm.tokenizer, cands[r["name"]], r, path, **save)
+            r.update(quality(cands[r["name"]]))
+        else:
+            model = E.save_solution(lm.model, lm.tokenizer, cands[r["name"]], r, path, **save)
+            r.update(E.quality(model, lm.tokenizer, **q))
+            del model
         r["checkpoint"] = str(path)
         import json
 
@@ -345,16 +426,11 @@ def _run(job: Job) -> CollapseResult:
         saved_manifest = json.loads((path / MANIFEST).read_text())
         r["bytes_on_disk"], r["dtype"] = saved_manifest.get("bytes_on_disk"), saved_manifest.get("dtype")
         saved.append(path)
-        del model
     for r in baseline_rows:
         if r["layers"] in saved_counts:
-            model = E.build_model(lm.model, base[r["method"]][r["layers"]])
-            r.update(E.quality(model, lm.tokenizer, **q))
-            del model
+            r.update(quality(base[r["method"]][r["layers"]]))
         elif "ppl_blocks" in q:  # held-out self text is cheap and on hand: every row gets a perplexity (not PIQA)
-            model = E.build_model(lm.model, base[r["method"]][r["layers"]])
-            r.update(E.quality(model, lm.tokenizer, **{**q, "piqa_limit": 0}))
-            del model
+            r.update(quality(base[r["method"]][r["layers"]], piqa_limit=0))
     meta = {
         "model": cfg.model, "method": cfg.method, "pareto": cfg.pareto, "population": cfg.population,
         "generations": cfg.generations, "seed": cfg.seed, "layers_original": L, "params_original": ev.total_params,
@@ -363,8 +439,8 @@ def _run(job: Job) -> CollapseResult:
         "evaluations": ev.stats.evaluations, "evals_per_s": ev.stats.per_second, "search_seconds": search_s,
         "eval_tokens": cfg.eval_tokens, "eval_seq_len": cfg.eval_seq_len, "piqa_limit": cfg.piqa_limit,
         "ppl_source": evaluation["ppl_source"], "ppl_protocol": ppl_protocol, "piqa_note": evaluation["piqa_note"],
-        "selection": "per layer count, best calibration candidates re-ranked by validation fitness" + _refined_text(cfg, refined),
-        "settings": _settings_text(cfg, ev), "budget": plan,
+        "selection": "per layer count, best calibration candidates re-ranked by validation fitness" + _refined_text(cfg, refined, runner is not None),
+        "settings": _settings_text(cfg, ev) + (_streamed_text(cfg) if runner is not None else ""), "budget": plan,
         "config": cfg.to_dict(),
     }
     E.write_front(out_dir, records, baseline_rows, meta)

@@ -141,18 +141,27 @@ def save_checkpoint(
             _set_config_dtype(tmp / "config.json", dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        manifest = dict(manifest)
-        manifest.setdefault("layers", model.config.num_hidden_layers)
-        manifest.setdefault("parameters", sum(p.numel() for p in model.parameters()))
-        manifest["dtype"] = dtype
-        manifest["bytes_on_disk"] = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
-        manifest["weights_sha256"] = weights_hash(model)
-        from llmcompress.io.card import write_card
-
-        write_card(tmp, manifest, name=out.name)  # README.md model card + recipe.yaml, covered by the digests
-        manifest[DIGESTS] = file_digests(tmp)
-        write_json(tmp / MANIFEST, manifest)
+        finish_checkpoint(tmp, manifest, name=out.name, layers=model.config.num_hidden_layers,
+                          parameters=sum(p.numel() for p in model.parameters()), dtype=dtype, weights_sha256=weights_hash(model))
     return out
+
+
+def finish_checkpoint(tmp: Path, manifest: dict[str, Any], *, name: str, layers: int, parameters: int, dtype: str,
+                      weights_sha256: str) -> None:
+    """The manifest's closing fields (layers, parameters, dtype, bytes on disk, weights hash), the model card
+    and the file digests, written into the checkpoint folder `tmp` whose weights, config and tokenizer are
+    already there (`save_checkpoint`, and writers that stream the weights layer by layer)."""
+    from llmcompress.io.card import write_card
+
+    manifest = dict(manifest)
+    manifest.setdefault("layers", layers)
+    manifest.setdefault("parameters", parameters)
+    manifest["dtype"] = dtype
+    manifest["bytes_on_disk"] = sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors"))
+    manifest["weights_sha256"] = weights_sha256
+    write_card(tmp, manifest, name=name)  # README.md model card + recipe.yaml, covered by the digests
+    manifest[DIGESTS] = file_digests(tmp)
+    write_json(Path(tmp) / MANIFEST, manifest)
 
 
 def _set_config_dtype(path: Path, dtype: str) -> None:
