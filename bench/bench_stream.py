@@ -11,7 +11,12 @@ CPU's compute dtype, `--dtype auto`):
 * eval: perplexity (next-token NLL) of --eval-tokens tokens of WikiText-2 test, windows of 256;
 * shortgpt: ShortGPT Block Influence of every layer on --calib-tokens calibration tokens;
 * gptq: GPTQ 4-bit (groups of 128, asymmetric, act-order) of every decoder linear from --gptq-blocks blocks
-  of 256 tokens; the integers go to disk layer by layer in both arms and their digests are compared.
+  of 256 tokens; the integers go to disk layer by layer in both arms and their digests are compared;
+* gelaco: a small seeded gelaco search (collapse/fitness.py `prepare`, `run_search`, `select_by_validation`:
+  references, ShortGPT seed, --gelaco-population individuals for --gelaco-generations generations, the pick at
+  --gelaco-target layers re-ranked on validation) on --gelaco-tokens calibration and as many validation tokens;
+  streamed, every candidate's groups are built from source layers read from disk (collapse/stream.py). The
+  pick and its fitness are compared. No baselines' LaCo, walk, tuning, report or checkpoint (the CLI's extras).
 
 Each arm runs in its own process, one after the other (peak RSS = the process's VmHWM, absolute: the
 runtime included). Results: --work/results.json and bench/RESULTS-stream.md.
@@ -28,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = ["eval-stream", "eval-mem", "shortgpt-stream", "shortgpt-mem", "gptq-stream", "gptq-mem"]
+ARMS = ["eval-stream", "eval-mem", "shortgpt-stream", "shortgpt-mem", "gptq-stream", "gptq-mem", "gelaco-stream", "gelaco-mem"]
 SEQ = 256
 
 
@@ -101,7 +106,7 @@ def run_arm(arm: str, path: Path, work: Path, args) -> dict:
     from llmcompress.io.stream import LayerRunner
 
     what, mode = arm.rsplit("-", 1)
-    n_tokens = {"eval": args.eval_tokens, "shortgpt": args.calib_tokens, "gptq": args.gptq_blocks * SEQ}[what]
+    n_tokens = {"eval": args.eval_tokens, "shortgpt": args.calib_tokens, "gptq": args.gptq_blocks * SEQ, "gelaco": args.gelaco_tokens}[what]
     blocks = _blocks(path, "eval" if what == "eval" else "calib", "", n_tokens)
     base = status("VmRSS")
     t0 = time.perf_counter()
@@ -114,7 +119,9 @@ def run_arm(arm: str, path: Path, work: Path, args) -> dict:
         runner = LayerRunner(model, batch=args.batch)
     t_load = time.perf_counter() - t0
     out: dict = {"arm": arm, "tokens": int(blocks.numel())}
-    if what == "eval":
+    if what == "gelaco":
+        out.update(_gelaco(runner, path, work / f"gelaco-{mode}", args))
+    elif what == "eval":
         import math
 
         if mode == "stream":
@@ -163,6 +170,36 @@ def run_arm(arm: str, path: Path, work: Path, args) -> dict:
     return out
 
 
+def _gelaco(runner, path: Path, out_dir: Path, args) -> dict:
+    """The small gelaco search over `runner` (streamed or in memory): its pick, fitness and evaluations."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from llmcompress.collapse.baselines import shortgpt
+    from llmcompress.collapse.config import CollapseConfig
+    from llmcompress.collapse.fitness import prepare
+    from llmcompress.collapse.search import run_search, select_by_validation
+    from llmcompress.runtime import seed_everything
+
+    cfg = CollapseConfig(model=str(path), pareto=False, target_layers=args.gelaco_target, seq_len=SEQ, calib_tokens=args.gelaco_tokens,
+                         val_tokens=args.gelaco_tokens, population=args.gelaco_population, generations=args.gelaco_generations,
+                         refine_steps=0, tune_steps=0, baselines=["shortgpt"], batch_blocks=args.batch, fitness_dtype="float32",
+                         prefix_cache_gb=args.gelaco_prefix_gb)
+    seed_everything(cfg.seed)
+    lm = SimpleNamespace(model=runner.model, tokenizer=AutoTokenizer.from_pretrained(str(path)))
+    ev = prepare(cfg, lm, runner=runner if runner.streamed else None)
+    try:
+        seeds = [shortgpt(ev, cfg.target_layers)]
+        run_search(cfg, ev, seeds, out_dir, model_id=str(path))
+        (cand, f, v), = select_by_validation(ev, cfg.target_layers, cfg.target_layers)
+        return {"pick": cand.describe(), "fitness_calib": f.fitness, "fitness_val": v.fitness, "evaluations": ev.stats.evaluations,
+                "search": f"target {cfg.target_layers} layers, population {cfg.population}, {cfg.generations} generation(s), "
+                          f"prefix cache {cfg.prefix_cache_gb:g} GiB"}
+    finally:
+        ev.close()
+
+
 def write_md(results: dict, ckpt_bytes: int, md: Path, cmd: str) -> None:
     lines = [
         "# Layer streaming vs in memory (issue 20)",
@@ -178,7 +215,7 @@ def write_md(results: dict, ckpt_bytes: int, md: Path, cmd: str) -> None:
         "| load avg | result |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for what in ("eval", "shortgpt", "gptq"):
+    for what in ("eval", "shortgpt", "gptq", "gelaco"):
         mem, st = results.get(f"{what}-mem"), results.get(f"{what}-stream")
         for r in (st, mem):
             if r is None:
@@ -187,6 +224,9 @@ def write_md(results: dict, ckpt_bytes: int, md: Path, cmd: str) -> None:
                 res = f"ppl {r['ppl']:.4f}"
             elif what == "shortgpt":
                 res = "BI " + ", ".join(f"{x:.4f}" for x in r["block_influence"][:3]) + ", ..."
+            elif what == "gelaco":
+                res = (f"{r['search']}, {r['evaluations']} evaluations: pick {r['pick']}, fitness calib {r['fitness_calib']:.6f} "
+                       f"/ val {r['fitness_val']:.6f}")
             else:
                 res = f"{r.get('layers', 32)} layers, ints sha256 {r['ints_sha256'][:12]}"
             ratio = f"{st['wall_s'] / mem['wall_s']:.2f}" if (st and mem and r is st) else ""
@@ -205,6 +245,11 @@ def main() -> None:
     ap.add_argument("--gptq-blocks", type=int, default=2)
     ap.add_argument("--gptq-layers", type=int, default=0,
                     help="GPTQ over the first N decoder layers only (0: all); the in-memory arm still loads every layer")
+    ap.add_argument("--gelaco-tokens", type=int, default=512, help="gelaco: calibration tokens (and as many validation tokens)")
+    ap.add_argument("--gelaco-population", type=int, default=4)
+    ap.add_argument("--gelaco-generations", type=int, default=1)
+    ap.add_argument("--gelaco-prefix-gb", type=float, default=1.0, help="gelaco: prefix_cache_gb (candidates' own boundary states)")
+    ap.add_argument("--gelaco-target", type=int, default=28, help="gelaco: layers to keep (single-budget search)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--make", action="store_true", help=argparse.SUPPRESS)
@@ -230,7 +275,10 @@ def main() -> None:
         print(f"arm {arm} ...", flush=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--arm", arm, "--work", str(args.work),
                "--eval-tokens", str(args.eval_tokens), "--calib-tokens", str(args.calib_tokens),
-               "--gptq-blocks", str(args.gptq_blocks), "--gptq-layers", str(args.gptq_layers), "--batch", str(args.batch)]
+               "--gptq-blocks", str(args.gptq_blocks), "--gptq-layers", str(args.gptq_layers), "--batch", str(args.batch),
+               "--gelaco-tokens", str(args.gelaco_tokens), "--gelaco-population", str(args.gelaco_population),
+               "--gelaco-generations", str(args.gelaco_generations), "--gelaco-target", str(args.gelaco_target),
+               "--gelaco-prefix-gb", str(args.gelaco_prefix_gb)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)
