@@ -44,6 +44,7 @@ def tiny_spec(tmp_path):
         (["--generations", "-1", "--pareto"], "generations"),
         (["--ratio", "1.5"], "--ratio"),
         (["--tune-steps", "-1", "--pareto"], "--tune-steps must be >= 0"),
+        (["--max-memory", "lots", "--pareto"], "--max-memory 'lots' is not a memory size"),
     ],
 )
 def test_bad_inputs_fail_fast_with_one_line(tmp_path, args, needle):

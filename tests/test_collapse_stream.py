@@ -101,7 +101,7 @@ def test_streamed_fitness_reads_only_the_layers_a_group_needs(pair, monkeypatch)
 def _search(ev, out, seed):
     from llmcompress.collapse.search import run_search, select_by_validation
 
-    cfg = CollapseConfig(population=4, generations=2, seed=seed, min_layers=5, sim_blocks=1, max_group=3)
+    cfg = CollapseConfig(population=4, generations=1, seed=seed, min_layers=5, sim_blocks=1, max_group=3)
     seeds = [shortgpt(ev, n) for n in (5, 6, 7)]
     hist = run_search(cfg, ev, seeds, out, model_id="tiny")
     picks = select_by_validation(ev, 5, 7)
@@ -145,7 +145,7 @@ def test_collapse_above_max_memory_streams_with_the_in_memory_result(tiny_hf_dir
     text = tmp_path / "calib.txt"
     text.write_text(("The quick brown fox jumps over the lazy dog. " * 40 + "\n\n") * 6)
     cfg = dict(model=str(tiny_hf_dir), calib_source=str(text), seq_len=32, calib_tokens=128, val_tokens=64, population=4,
-               generations=1, eval_tokens=0, piqa_limit=0, laco_threshold=0.0, min_layers=3, save="all", refine_steps=1,
+               generations=1, eval_tokens=0, piqa_limit=0, laco_threshold=0.0, min_layers=3, save="all", refine_steps=0,
                tune_steps=0, batch_blocks=2)
     runs = {}
     for arm, budget in (("mem", None), ("stream", 0)):

@@ -169,12 +169,12 @@ def build_reference_streamed(runner, blocks, *, topk: int, stride: int, max_byte
 
     from llmcompress.io.stream import boundary_walk
 
-    per_boundary: list[list[torch.Tensor]] = []
+    states: list[torch.Tensor] = []  # each boundary joined as it passes (never a second copy of them all)
 
     def on_layer(i, inputs, outputs):
         if i == 0:
-            per_boundary.append(list(inputs))
-        per_boundary.append(list(outputs))
+            states.append(torch.cat(inputs))
+        states.append(torch.cat(outputs))
 
     last = boundary_walk(runner, blocks, on_layer, description=f"reference {label} (streamed)".replace("  ", " "))
     idx, lp = [], []
@@ -184,8 +184,6 @@ def build_reference_streamed(runner, blocks, *, topk: int, stride: int, max_byte
         idx.append(i_)
         lp.append(v)
         del logp
-    states = [torch.cat(p) for p in per_boundary]
-    per_boundary.clear()
     store = StateStore(states, max_bytes, cache_dir)
     return Reference(blocks, store, torch.cat(idx), torch.cat(lp), stride, label)
 

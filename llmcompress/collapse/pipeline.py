@@ -113,9 +113,9 @@ def _run_collapse(job: Job) -> CollapseResult:
 
     if job.lm is None:  # above the memory budget: a streamed skeleton (says so), before anything is written
         job.lm, job.runner = _open_streamed(job)
-    run_dir = claim(job.out_dir, overwrite=job.overwrite, resume=job.resume, stale=stale_files()) if job.info.is_main else None
-    job.lm = job.lm or load_model(job.cfg.model, device=job.dev, dtype=job.dtype)
     try:
+        run_dir = claim(job.out_dir, overwrite=job.overwrite, resume=job.resume, stale=stale_files()) if job.info.is_main else None
+        job.lm = job.lm or load_model(job.cfg.model, device=job.dev, dtype=job.dtype)
         return _prepared(job, run_dir)
     finally:
         if job.runner is not None:
