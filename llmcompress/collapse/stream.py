@@ -111,7 +111,7 @@ def save_solution_streamed(runner, tokenizer, cand: Candidate, record: dict, out
 
     from llmcompress.collapse.export import solution_manifest
     from llmcompress.io.atomic import atomic_dir, write_json
-    from llmcompress.io.checkpoint import _set_config_dtype, finish_checkpoint
+    from llmcompress.io.checkpoint import finish_checkpoint, set_config_dtype
     from llmcompress.io.dtypes import dtype_name, torch_dtype
     from llmcompress.io.surgery import replace_layers, shared_copy
     from llmcompress.metrics import update_tensor_digest
@@ -164,7 +164,7 @@ def save_solution_streamed(runner, tokenizer, cand: Candidate, record: dict, out
         write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": nbytes}, "weight_map": weight_map})
         skeleton.config.architectures = [type(skeleton).__name__]
         skeleton.config.save_pretrained(tmp)
-        _set_config_dtype(tmp / "config.json", dtype_name(saved))
+        set_config_dtype(tmp / "config.json", dtype_name(saved))
         if skeleton.can_generate():
             skeleton.generation_config.save_pretrained(tmp)
         if tokenizer is not None:

@@ -138,7 +138,7 @@ def save_checkpoint(
             dtype = dtype_name(next(model.parameters()).dtype)
         else:
             model.save_pretrained(tmp, safe_serialization=True, state_dict=_cast_state(model, torch_dtype(dtype)))
-            _set_config_dtype(tmp / "config.json", dtype)
+            set_config_dtype(tmp / "config.json", dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         finish_checkpoint(tmp, manifest, name=out.name, layers=model.config.num_hidden_layers,
@@ -164,7 +164,7 @@ def finish_checkpoint(tmp: Path, manifest: dict[str, Any], *, name: str, layers:
     write_json(Path(tmp) / MANIFEST, manifest)
 
 
-def _set_config_dtype(path: Path, dtype: str) -> None:
+def set_config_dtype(path: Path, dtype: str) -> None:
     import json
 
     cfg = json.loads(path.read_text())
