@@ -223,7 +223,8 @@ def main() -> None:
     ap.add_argument("--table-tokens", type=int, default=128, help="tokens of each measurement block used by the per-linear table")
     ap.add_argument("--search-steps", type=int, default=None, help="gradient steps of joint (default: one per batch of --train-tokens)")
     ap.add_argument("--methods", default="", help="comma-separated name prefixes to run (default: all), or ';'-separated "
-                    "when a prefix has a comma ('uniform;joint, 0 steps'); e.g. to split the run over processes")
+                    "when a prefix has a comma ('uniform;joint, 0 steps'); '=NAME' matches NAME only ('=joint'); e.g. to split "
+                    "the run over processes")
     ap.add_argument("--lam", type=int, default=4)
     ap.add_argument("--eval-tokens", type=int, default=32768)
     ap.add_argument("--ood-tokens", type=int, default=8192)
@@ -251,7 +252,7 @@ def main() -> None:
     want = [m.strip() for m in a.methods.split(";" if ";" in a.methods else ",") if m.strip()]
 
     def wanted(name):
-        return not want or any(name.startswith(w) for w in want)
+        return not want or any(name == w[1:] if w.startswith("=") else name.startswith(w) for w in want)
 
     bits = [int(x) for x in a.bits.split(",")]
     targets = [float(x) for x in a.targets.split(",")]
