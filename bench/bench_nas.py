@@ -194,9 +194,9 @@ def summarize(results: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (t, m), rs in groups.items():
         v = {k: mean(r[k] for r in rs) if all(r.get(k) is not None for r in rs) else None for k in keys}
-        u = groups.get((t, "uniform"))
-        up = mean(r["wikitext2_ppl"] for r in u) if u else None
-        uk = mean(r["shakespeare_kl"] for r in u) if u else None
+        u = groups.get((t, "uniform"))  # absent from a partial results file (one --methods group)
+        up = mean(r["wikitext2_ppl"] for r in u) if u else float("nan")
+        uk = mean(r["shakespeare_kl"] for r in u) if u else float("nan")
         hist = rs[0]["bits_histogram"]
         lines.append(
             f"| {t} | {m} | {len(rs)} | {v['avg_bits']:.3f} | {v['heldout_kl']:.4f} | {v['wikitext2_ppl']:.2f} | "
