@@ -82,8 +82,11 @@ def test_latency_target_runs_the_oracle_split_and_quant_aware_stage1(tmp_path, t
     assert kl <= arch_kl(model, net, search_uniform(space, costs, cfg).arch, HELD, ref) + 1e-6
 
 
-def test_sequential_without_any_stage1_is_refused():
+def test_configs_that_cannot_decide_a_plan_are_refused():
     from llmcompress.errors import UserError
 
     with pytest.raises(UserError, match="no stage 1"):
         _cfg(target_latency=0.5, mode="sequential", sequential_splits=[], sequential_quant_aware=False).validate()
+    with pytest.raises(UserError, match="init_kappa 0"):  # equal logits and no gradient steps: argmax of ties
+        _cfg(target_bits=3.0, init_kappa=0.0).validate()
+    _cfg(target_bits=3.0, init_kappa=0.0, search_steps=8).validate()

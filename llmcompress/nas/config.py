@@ -78,7 +78,8 @@ class NasConfig:
             with Hessians of the teacher's inputs on `gptq_blocks` calibration blocks; `gptq_act_order`:
             columns in order of decreasing input energy, static groups). Every mode, uniform included.
         init_kappa: logits start at -init_kappa * (proxy error of the choice) / (median 4-bit error), from
-            a diagonal-Hessian proxy on `sensitivity_blocks` calibration blocks (0 = all logits start equal).
+            a diagonal-Hessian proxy on `sensitivity_blocks` calibration blocks (0 = all logits start equal;
+            needs search_steps > 0).
         sequential_splits: the oracle split of `sequential`: stage 1 (architecture at full precision) is run
             with its latency/size target at each of these fractions of dense, and the validated step keeps
             the best plan (nas/search.py:search_sequential).
@@ -189,6 +190,9 @@ class NasConfig:
             if not self.sequential_splits and not self.sequential_quant_aware:
                 raise UserError("sequential has no stage 1 to run (sequential_splits empty and sequential_quant_aware off)",
                                 "e.g. sequential_splits: [1.0, 0.8, 0.6]")
+        if self.init_kappa <= 0 and self.search_steps == 0:
+            raise UserError("init_kappa 0 (equal starting logits) with search_steps 0 leaves nothing to decide the plan",
+                            "set search_steps (e.g. 8, or null for one per batch), or keep init_kappa > 0")
         if not self.width_choices:
             raise UserError("no width choices given", "e.g. width_choices: [0.25, 0.5, 0.75, 1.0]")
         if self.cost_model not in COST_MODELS:
