@@ -14,8 +14,10 @@ held-out calibration blocks for its validated step, and is evaluated the same wa
 * evopress: (1+lambda) evolutionary search with level-switch mutations (nas/refine.mutate) scored by the
   held-out KL, started from the budget-filled uniform plan, with the same number of forward tokens as
   joint's gradient phase + validated step;
-* sequential: NAS in full precision then bits (at a bits-only target its architecture stage has no budget,
-  so this is the mixed-precision-only search with half the gradient steps);
+* sequential: NAS-then-quantize (nas/search.py:search_sequential): oracle split of stage 1's full-precision
+  target and quantization-aware stage 1, best by the validated step, which may also keep uniform; at a
+  bits-only target its architecture stage has no budget, so this is the mixed-precision-only search (bits
+  searched on the dense model with half the gradient steps, then the validated step);
 * joint: the gradient search (proxy-initialised logits), then the validated step with --refine-evals;
 * joint, 0 steps: the ablation proxy + repair/upgrade + validated step (no gradient phase);
 * joint, kappa 0: the ablation with equal starting logits.
@@ -192,9 +194,9 @@ def summarize(results: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (t, m), rs in groups.items():
         v = {k: mean(r[k] for r in rs) if all(r.get(k) is not None for r in rs) else None for k in keys}
-        u = groups.get((t, "uniform"))
-        up = mean(r["wikitext2_ppl"] for r in u) if u else None
-        uk = mean(r["shakespeare_kl"] for r in u) if u else None
+        u = groups.get((t, "uniform"))  # absent from a partial results file (one --methods group)
+        up = mean(r["wikitext2_ppl"] for r in u) if u else float("nan")
+        uk = mean(r["shakespeare_kl"] for r in u) if u else float("nan")
         hist = rs[0]["bits_histogram"]
         lines.append(
             f"| {t} | {m} | {len(rs)} | {v['avg_bits']:.3f} | {v['heldout_kl']:.4f} | {v['wikitext2_ppl']:.2f} | "
@@ -220,7 +222,9 @@ def main() -> None:
     ap.add_argument("--measure-blocks", type=int, default=2)
     ap.add_argument("--table-tokens", type=int, default=128, help="tokens of each measurement block used by the per-linear table")
     ap.add_argument("--search-steps", type=int, default=None, help="gradient steps of joint (default: one per batch of --train-tokens)")
-    ap.add_argument("--methods", default="", help="comma-separated name prefixes to run (default: all); e.g. to split the run over processes")
+    ap.add_argument("--methods", default="", help="comma-separated name prefixes to run (default: all), or ';'-separated "
+                    "when a prefix has a comma ('uniform;joint, 0 steps'); '=NAME' matches NAME only ('=joint'); e.g. to split "
+                    "the run over processes")
     ap.add_argument("--lam", type=int, default=4)
     ap.add_argument("--eval-tokens", type=int, default=32768)
     ap.add_argument("--ood-tokens", type=int, default=8192)
@@ -245,10 +249,10 @@ def main() -> None:
     from llmcompress.nas.supernet import Supernet
 
     a.work.mkdir(parents=True, exist_ok=True)
-    want = [m.strip() for m in a.methods.split(",") if m.strip()]
+    want = [m.strip() for m in a.methods.split(";" if ";" in a.methods else ",") if m.strip()]
 
     def wanted(name):
-        return not want or any(name.startswith(w) for w in want)
+        return not want or any(name == w[1:] if w.startswith("=") else name.startswith(w) for w in want)
 
     bits = [int(x) for x in a.bits.split(",")]
     targets = [float(x) for x in a.targets.split(",")]
@@ -357,6 +361,8 @@ def main() -> None:
                        "info": {k: v for k, v in info.items()}, "eval_tokens": a.eval_tokens, "ood_tokens": int(ood.numel()),
                        "piqa_limit": a.piqa_limit, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
                 print(json.dumps({k: v for k, v in rec.items() if k not in ("info",)}), flush=True)
+                # a rerun of a row (e.g. `--methods sequential` after a fix) replaces it instead of averaging with it
+                results = [r for r in results if (r["seed"], r["target_bits"], r["method"]) != (seed, target, name)]
                 results.append(rec)
                 a.results.write_text(json.dumps(results, indent=1))
                 del derived

@@ -346,7 +346,7 @@ def test_nas_search_with_act_rank(tiny_hf_dir, tmp_path):
     import sys
 
     spec = tmp_path / "s.yaml"
-    spec.write_text("seq_len: 32\nbatch_size: 2\ncontext_len: 32\ncheckpoint_every: 1\nrefine_evals: 0\nquant_method: rtn\n")
+    spec.write_text("seq_len: 32\nbatch_size: 2\ncontext_len: 32\ncheckpoint_every: 1\nrefine_evals: 0\nquant_method: rtn\nsearch_steps: 2\n")
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "llmcompress", "nas", str(tiny_hf_dir), "--spec", str(spec), "--target-bits", "4",
                         "--train-tokens", "128", "--eval-tokens", "0", "--baselines", "", "--act-rank", "auto", "--act-budget", "0.25",

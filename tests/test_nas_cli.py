@@ -53,7 +53,7 @@ def test_existing_out_and_bad_spec(tiny_hf_dir, tmp_path):
 def test_tiny_end_to_end(tiny_hf_dir, tmp_path):
     from llmcompress.io.load import load_model
     spec = tmp_path / "s.yaml"
-    spec.write_text("seq_len: 32\nbatch_size: 2\ncontext_len: 32\neval_seq_len: 64\ncheckpoint_every: 1\nrefine_evals: 6\nrefine_blocks: 4\n")
+    spec.write_text("seq_len: 32\nbatch_size: 2\ncontext_len: 32\neval_seq_len: 64\ncheckpoint_every: 1\nrefine_evals: 6\nrefine_blocks: 4\nsearch_steps: 2\n")
     out = tmp_path / "run"
     r = nas(tiny_hf_dir, "--spec", spec, "--target-latency", "0.7", "--target-bits", "4", "--train-tokens", "128",
             "--eval-tokens", "256", "--baselines", "uniform", "--export", "compressed-tensors", "--out", out)

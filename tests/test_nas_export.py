@@ -26,6 +26,7 @@ def logits(model, ids=IDS[:2]):
 
 def _setup(**kw):
     model = tiny_model("llama", layers=4)
+    kw.setdefault("search_steps", None)  # the gradient phase (off by default) is what these tests exercise
     cfg = NasConfig(cost_model="analytic", train_tokens=256, seq_len=32, batch_size=4, context_len=32, **kw)
     space = build_space(model, cfg)
     return model, cfg, space

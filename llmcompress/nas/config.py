@@ -50,6 +50,11 @@ class NasConfig:
         target_size_mb: size of the packed weights in MB (10**6 bytes), embeddings included.
         target_bits: average bits per quantized linear weight (nominal, scales excluded).
         bits: bit widths a linear layer may take (each in 2..16).
+        head_bits: bit widths the output head may take (the tied embedding/lm_head, or an untied lm_head);
+            empty (default): the head stays float and is not counted in the average bits. When given, the
+            head is one more searched choice, round-to-nearest quantized (a tied tensor is also the embedding
+            table, which GPTQ's objective does not cover), costed in latency, size and average bits (a 16-bit
+            head counts 16 bits per weight), and shipped in hf/, compressed-tensors and gguf (gguf: 4, 5, 8, 16).
         group_size: quantization group along the input dimension; 0 = auto (128 if it divides every
             searched width, else the largest power of two below it that does; 64 for smollm2-135m).
         width_choices: MLP intermediate widths as fractions of the dense width (channels ranked by
@@ -61,8 +66,10 @@ class NasConfig:
             nas/measured.py). All are relative to the dense float model.
         context_len: KV-cache length assumed by the cost models.
         train_tokens, seq_len, batch_size: search data (steps = train_tokens / (seq_len * batch_size)).
-        search_steps: gradient steps of the logits (None: one per batch of the search data; 0: no gradient
-            phase, the plan is the sensitivity proxy's argmax + repair/upgrade; see the README's ablation).
+        search_steps: gradient steps of the logits (0, the default: no gradient phase, the plan is the
+            calibrated sensitivity proxy's argmax + repair/upgrade, then the validated step; None: one step
+            per batch of the search data). Default 0 because the ablation (README, BENCHMARKS.md) found the
+            gradient steps gave exactly the zero-step plan at 2.6x the search time.
         lr: Adam learning rate of the architecture logits; tau_start/tau_end: Gumbel temperature
             (annealed exponentially); lam: penalty weight of max(0, cost / target - 1).
         hidden_mse: weight of a final-hidden-state MSE next to the logit KL (0 = off).
@@ -71,7 +78,13 @@ class NasConfig:
             with Hessians of the teacher's inputs on `gptq_blocks` calibration blocks; `gptq_act_order`:
             columns in order of decreasing input energy, static groups). Every mode, uniform included.
         init_kappa: logits start at -init_kappa * (proxy error of the choice) / (median 4-bit error), from
-            a diagonal-Hessian proxy on `sensitivity_blocks` calibration blocks (0 = all logits start equal).
+            a diagonal-Hessian proxy on `sensitivity_blocks` calibration blocks (0 = all logits start equal;
+            needs search_steps > 0).
+        sequential_splits: the oracle split of `sequential`: stage 1 (architecture at full precision) is run
+            with its latency/size target at each of these fractions of dense, and the validated step keeps
+            the best plan (nas/search.py:search_sequential).
+        sequential_quant_aware: `sequential` also runs stage 1 costed at each quantized bit width it could
+            end at (quantization-aware NAS-then-quantize).
         refine_evals: level-switch mutations scored by measured KL after the search (nas/refine.py; 0 = off,
             the default: on smollm2 they lowered held-out KL by 3-4% but raised test perplexity, see README).
         refine_blocks: held-out calibration blocks (disjoint from the search's) that score the start
@@ -95,6 +108,7 @@ class NasConfig:
     target_size_mb: float | None = None
     target_bits: float | None = None
     bits: list[int] = field(default_factory=lambda: [2, 3, 4, 5, 6, 8, 16])
+    head_bits: list[int] = field(default_factory=list)
     group_size: int = 0
     width_choices: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])
     allow_skip: bool = True
@@ -104,7 +118,7 @@ class NasConfig:
     calib_source: str = "wikitext2"
     calib_split: str = "valid"
     train_tokens: int = 16384
-    search_steps: int | None = None
+    search_steps: int | None = 0
     seq_len: int = 128
     batch_size: int = 4
     lr: float = 0.05
@@ -117,6 +131,8 @@ class NasConfig:
     gptq_act_order: bool = True
     init_kappa: float = 2.0
     sensitivity_blocks: int = 8
+    sequential_splits: list[float] = field(default_factory=lambda: [1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
+    sequential_quant_aware: bool = True
     refine_evals: int = 0
     refine_blocks: int = 32
     checkpoint_every: int = 8
@@ -128,7 +144,7 @@ class NasConfig:
     act_rank: int | str | None = None
     act_budget: float = 0.25
     seed: int = 0
-    version: int = 5
+    version: int = 6
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -170,6 +186,13 @@ class NasConfig:
                 f"--target-bits {self.target_bits} is outside the reachable range {min(self.bits)}..{max(self.bits)}",
                 "choose a target between the smallest and largest of --bits",
             )
+        if self.mode == Mode.SEQUENTIAL.value or Mode.SEQUENTIAL.value in self.baselines:
+            if not self.sequential_splits and not self.sequential_quant_aware:
+                raise UserError("sequential has no stage 1 to run (sequential_splits empty and sequential_quant_aware off)",
+                                "e.g. sequential_splits: [1.0, 0.8, 0.6]")
+        if self.init_kappa <= 0 and self.search_steps == 0:
+            raise UserError("init_kappa 0 (equal starting logits) with search_steps 0 leaves nothing to decide the plan",
+                            "set search_steps (e.g. 8, or null for one per batch), or keep init_kappa > 0")
         if not self.width_choices:
             raise UserError("no width choices given", "e.g. width_choices: [0.25, 0.5, 0.75, 1.0]")
         if self.cost_model not in COST_MODELS:
@@ -178,7 +201,7 @@ class NasConfig:
             from llmcompress.nas.measured import require_runtime
 
             require_runtime()
-            bad = sorted(b for b in set(self.bits) if b not in (4, 5, 8, 16))
+            bad = sorted(b for b in set(self.bits) | set(self.head_bits) if b not in (4, 5, 8, 16))
             if bad:
                 raise UserError(f"--cost-model measured has no llama.cpp type for {bad}-bit layers (no ggml block of 32)",
                                 "search with --bits 4,8,16 (or 4,5,8,16)")
@@ -190,7 +213,7 @@ class NasConfig:
             if f not in EXPORT_FORMATS:
                 raise UserError(f"unknown export format {f!r}", f"use --export {','.join(EXPORT_FORMATS)} (or a subset)")
         if "gguf" in self.export:
-            bad = sorted(b for b in set(self.bits) if b not in (4, 5, 8, 16))
+            bad = sorted(b for b in set(self.bits) | set(self.head_bits) if b not in (4, 5, 8, 16))
             if bad:
                 raise UserError(f"--export gguf cannot store {bad}-bit layers (no llama.cpp block of 32 for them; K-quants "
                                 "need rows divisible by 256)", "search with --bits 4,8,16 (or 4,5,8,16)")
@@ -209,6 +232,7 @@ RANGES = {
     "target_size_mb": Real("--target-size-mb", 0.0, 1e9, lo_open=True, note="e.g. --target-size-mb 60"),
     "target_bits": Real("--target-bits", 0.0, 16.0, lo_open=True, note="e.g. --target-bits 4"),
     "bits": Int("--bits", 2, 16, note="use e.g. --bits 2,3,4,8,16"),
+    "head_bits": Int("head_bits", 2, 16, note="e.g. head_bits: [4, 8, 16]"),
     "group_size": Int("--group-size", 0, MAX_SEQ, note="0 picks one; e.g. --group-size 64"),
     "width_choices": Real("width_choices", 0.0, 1.0, lo_open=True),
     "min_keep_frac": Real("min_keep_frac", 0.0, 1.0, lo_open=True),
@@ -225,6 +249,7 @@ RANGES = {
     "gptq_blocks": Int("gptq_blocks", 1, MAX_COUNT),
     "init_kappa": Real("init_kappa", 0.0, 1e6),
     "sensitivity_blocks": Int("sensitivity_blocks", 1, MAX_COUNT),
+    "sequential_splits": Real("sequential_splits", 0.0, 1.0, lo_open=True, note="fractions of dense, e.g. [1.0, 0.8, 0.6]"),
     "refine_evals": Int("refine_evals", 0, MAX_COUNT, note="0 turns refinement off"),
     "refine_blocks": Int("refine_blocks", 1, MAX_COUNT),
     "checkpoint_every": Int("checkpoint_every", 1, MAX_COUNT),

@@ -15,7 +15,8 @@ choice distributions are exact and differentiable:
 * analytic: bytes read per decoded token (memory-bound decode): A = weight count at that width,
   B = (bits + (16 + bits) / group_size) / 8 bytes per weight (packed ints + fp16 scale + packed zero;
   2 bytes for a 16-bit choice, which stays float16),
-  layer_const = KV-cache bytes read at `context_len` + norms, fixed = float16 head (+ final norm).
+  layer_const = KV-cache bytes read at `context_len` + norms, fixed = float16 head (+ final norm); a
+  searched head (`head_bits`) costs H[b] = its weights at b bits instead.
 Latencies are relative to the dense float16 model under the same model.
 """
 
@@ -33,16 +34,17 @@ if TYPE_CHECKING:
 
 @dataclass
 class Additive:
-    """fixed + sum_l keep_l * (layer_const + sum_lin (A[lin][w_l] * B[b] + C[lin][b]))."""
+    """fixed + H[head bits] + sum_l keep_l * (layer_const + sum_lin (A[lin][w_l] * B[b] + C[lin][b]))."""
 
     fixed: float
     layer_const: float
     A: dict[str, list[float]]  # linear name -> value per width index
     B: list[float]  # per bits index
     C: dict[str, list[float]] | None = field(default=None)  # linear name -> value per bits index (width-free)
+    H: list[float] | None = field(default=None)  # per head bits index (space.head_bits), when the head is searched
 
     def of(self, space: SearchSpace, arch: Arch) -> float:
-        total = self.fixed
+        total = self.fixed + (self.H[arch.head] if self.H is not None and arch.head is not None else 0.0)
         for i in range(space.n_layers):
             if arch.keep[i]:
                 total += self.layer_const + sum(self.A[n][arch.width[i]] * self.B[b] for n, b in zip(space.linears, arch.bits[i]))
@@ -50,8 +52,8 @@ class Additive:
                     total += sum(self.C[n][b] for n, b in zip(space.linears, arch.bits[i]))
         return total
 
-    def expected(self, space: SearchSpace, p_keep, p_width, p_bits) -> torch.Tensor:
-        """E[cost] for probabilities p_keep (L,), p_width (L, K), p_bits (L, n_lin, nb)."""
+    def expected(self, space: SearchSpace, p_keep, p_width, p_bits, p_head=None) -> torch.Tensor:
+        """E[cost] for probabilities p_keep (L,), p_width (L, K), p_bits (L, n_lin, nb), p_head (nh,)."""
         import torch
 
         A = torch.tensor([self.A[n] for n in space.linears], dtype=torch.float32)  # (n_lin, K)
@@ -62,17 +64,29 @@ class Additive:
         if self.C is not None:
             C = torch.tensor([self.C[n] for n in space.linears], dtype=torch.float32)  # (n_lin, nb)
             per_layer = per_layer + (p_bits * C).sum((-1, -2))
-        return self.fixed + (p_keep * per_layer).sum()
+        out = self.fixed + (p_keep * per_layer).sum()
+        if self.H is not None and p_head is not None:
+            out = out + (p_head * torch.tensor(self.H, dtype=torch.float32)).sum()
+        return out
 
 
 def _numel_table(space: SearchSpace) -> dict[str, list[float]]:
     return {n: [float(space.shape(n, w)[0] * space.shape(n, w)[1]) for w in space.widths] for n in space.linears}
 
 
-def _byte_factors(space: SearchSpace) -> list[float]:
-    """Bytes per weight at each bit width: packed ints + float16 scale + packed zero per group; a 16-bit
-    choice is the plain float16 weight (2 bytes, no scales: never more than dense)."""
-    return [2.0 if b >= 16 else (b + (16 + b) / space.group_size) / 8 for b in space.bits]
+def _byte_factors(space: SearchSpace, bits: list[int] | None = None) -> list[float]:
+    """Bytes per weight at each bit width (default space.bits): packed ints + float16 scale + packed zero per
+    group; a 16-bit choice is the plain float16 weight (2 bytes, no scales: never more than dense)."""
+    return [2.0 if b >= 16 else (b + (16 + b) / space.group_size) / 8 for b in (space.bits if bits is None else bits)]
+
+
+def _head_numel(space: SearchSpace) -> float:
+    return float(space.head_shape[0] * space.head_shape[1])
+
+
+def _head_bytes(space: SearchSpace) -> list[float] | None:
+    """Bytes of the searched head at each of space.head_bits (None: the head is not searched)."""
+    return [_head_numel(space) * f for f in _byte_factors(space, space.head_bits)] if space.head_bits else None
 
 
 class CostModels:
@@ -82,8 +96,10 @@ class CostModels:
         self.space, self.latency, self.latency_dense, self.size, self.kind, self.lut = space, latency, latency_dense, size, kind, lut
         self.table: dict | None = None  # the llama.cpp latency table of kind "measured"
         numel = _numel_table(space)
-        self.bits_num = Additive(0.0, 0.0, numel, [float(b) for b in space.bits])
-        self.bits_den = Additive(0.0, 0.0, numel, [1.0] * len(space.bits))
+        # a searched head counts in the average like any linear (its 16-bit choice as 16 bits per weight)
+        hn = _head_numel(space)
+        self.bits_num = Additive(0.0, 0.0, numel, [float(b) for b in space.bits], H=[hn * b for b in space.head_bits] or None)
+        self.bits_den = Additive(0.0, 0.0, numel, [1.0] * len(space.bits), H=[hn] * len(space.head_bits) or None)
 
     def metrics(self, arch: Arch) -> dict[str, float]:
         s = self.space
@@ -93,22 +109,25 @@ class CostModels:
             "bits": self.bits_num.of(s, arch) / max(self.bits_den.of(s, arch), 1.0),
         }
 
-    def expected(self, p_keep, p_width, p_bits) -> dict[str, torch.Tensor]:
+    def expected(self, p_keep, p_width, p_bits, p_head=None) -> dict[str, torch.Tensor]:
         s = self.space
+        a = (s, p_keep, p_width, p_bits, p_head)
         return {
-            "latency": self.latency.expected(s, p_keep, p_width, p_bits) / self.latency_dense,
-            "size_mb": self.size.expected(s, p_keep, p_width, p_bits) / 1e6,
-            "bits": self.bits_num.expected(s, p_keep, p_width, p_bits) / self.bits_den.expected(s, p_keep, p_width, p_bits).clamp(min=1.0),
+            "latency": self.latency.expected(*a) / self.latency_dense,
+            "size_mb": self.size.expected(*a) / 1e6,
+            "bits": self.bits_num.expected(*a) / self.bits_den.expected(*a).clamp(min=1.0),
         }
 
     def minimum(self) -> dict[str, float]:
         """Smallest value of each metric the space reaches (each on its own)."""
         s = self.space
-        low = Arch([True] * s.n_layers, [0] * s.n_layers, [[0] * len(s.linears) for _ in range(s.n_layers)])
+        low = Arch([True] * s.n_layers, [0] * s.n_layers, [[0] * len(s.linears) for _ in range(s.n_layers)], 0 if s.head_bits else None)
         # the cheapest layers to keep are all equal here, so keep the first min_keep
         low.keep = [i < s.min_keep for i in range(s.n_layers)]
         m = self.metrics(low)
         m["bits"] = float(min(s.bits))
+        if s.head_bits:  # the average is monotone in the head's share of the weights: one of the two extremes
+            m["bits"] = min(self.metrics(low)["bits"], self.metrics(Arch.dense(s, 0).copy_with_head(0))["bits"])
         return m
 
 
@@ -130,9 +149,13 @@ def _other_params(model, space: SearchSpace) -> tuple[float, float]:
 
 
 def size_model(model, space: SearchSpace) -> Additive:
-    """Bytes of the packed checkpoint: quantized linears + float16 everything else."""
+    """Bytes of the packed checkpoint: quantized linears (and head, when searched) + float16 everything else
+    (a tied head is the embedding: counted once)."""
     fixed, per_layer = _other_params(model, space)
-    return Additive(2 * fixed, 2 * per_layer, _numel_table(space), _byte_factors(space))
+    head = _head_bytes(space)
+    if head is not None:
+        fixed -= _head_numel(space)
+    return Additive(2 * fixed, 2 * per_layer, _numel_table(space), _byte_factors(space), H=head)
 
 
 def analytic_latency(model, space: SearchSpace, context_len: int) -> tuple[Additive, float]:
@@ -142,7 +165,7 @@ def analytic_latency(model, space: SearchSpace, context_len: int) -> tuple[Addit
     kv_dim = space.shapes["self_attn.k_proj"][0]
     _, per_layer = _other_params(model, space)
     layer_const = 2.0 * 2 * context_len * kv_dim + 2 * per_layer
-    model_ = Additive(2 * head, layer_const, _numel_table(space), _byte_factors(space))
+    model_ = Additive(0.0 if space.head_bits else 2 * head, layer_const, _numel_table(space), _byte_factors(space), H=_head_bytes(space))
     dense_lin = sum(v[-1] for v in _numel_table(space).values()) * 2.0
     return model_, 2 * head + space.n_layers * (layer_const + dense_lin)
 

@@ -78,7 +78,10 @@ def plan_of(space: SearchSpace, arch: Arch, sym8: bool = False, method: str = "r
             plan[space.fqn(new, name)] = (None if bits >= 16 else
                                           QuantConfig(bits=bits, group_size=space.group_size, method=method, sym=sym8 and bits == 8))
         new += 1
-    plan["_default"] = None  # embeddings, norms and head stay float16
+    if arch.head is not None and space.head_bits[arch.head] < 16:  # a searched head (tied: the embedding too)
+        bits = space.head_bits[arch.head]
+        plan["lm_head"] = QuantConfig(bits=bits, group_size=space.group_size, method="rtn", sym=sym8 and bits == 8)
+    plan["_default"] = None  # embeddings, norms and an unsearched head stay float16
     return plan
 
 
@@ -107,6 +110,15 @@ def apply_bank(model, space: SearchSpace, arch: Arch, bank) -> dict[str, Quantiz
                 lin.weight.copy_(qw.dequantize(lin.weight.dtype))
             out[space.fqn(new, name)] = qw
         new += 1
+    if arch.head is not None:  # the searched head; a tied embedding is the same tensor, so it follows
+        from llmcompress.nas.qbank import HEAD
+
+        qw = bank.qweight(HEAD, 0, arch.head)
+        if qw is not None:
+            with torch.no_grad():
+                head = model.get_output_embeddings().weight
+                head.copy_(qw.dequantize(head.dtype))
+            out["lm_head"] = qw
     return out
 
 
@@ -206,11 +218,25 @@ def pad_qweights(model, qweights: dict[str, QuantizedWeight], intermediate: int)
     return out
 
 
+def untied(model):
+    """A shallow copy of a tied `model` whose lm_head has its own copy of the weight (tie_word_embeddings off)."""
+    from llmcompress.io.surgery import shared_copy
+
+    new = shared_copy(model)
+    head = new.get_output_embeddings()
+    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    new.config.tie_word_embeddings = False
+    if hasattr(new.config, "get_text_config"):
+        new.config.get_text_config().tie_word_embeddings = False
+    return new
+
+
 def save_exports(model, tokenizer, qweights: dict[str, QuantizedWeight], out: Path, formats, intermediate: int,
                  dtype: str, manifest: dict) -> dict:
     """Write each of `formats` (gguf, compressed-tensors) under `out`; returns {format: summary}."""
     padded = zero_padded(model, intermediate)
     padded.config.intermediate_size = intermediate
+    head_q = "lm_head" in qweights and qweights["lm_head"].bits < 16
     # 16-bit entries of a plan stay floating point: their (dequantized) weights are written in `dtype`
     pq = pad_qweights(model, {k: q for k, q in qweights.items() if q.bits < 16}, intermediate)
     note = ("per-layer MLP widths zero-padded to " + str(intermediate)
@@ -226,7 +252,10 @@ def save_exports(model, tokenizer, qweights: dict[str, QuantizedWeight], out: Pa
         else:
             from llmcompress.export.compressed_tensors import write_compressed_tensors
 
-            r = write_compressed_tensors(padded, tokenizer, Path(out) / "compressed-tensors", qweights=pq, float_dtype=dtype,
+            # compressed-tensors quantizes linears: a quantized tied head is written untied, lm_head packed
+            # and the embedding table as its dequantized values (the same numbers, so the same model)
+            ct = untied(padded) if head_q and padded.config.tie_word_embeddings else padded
+            r = write_compressed_tensors(ct, tokenizer, Path(out) / "compressed-tensors", qweights=pq, float_dtype=dtype,
                                          manifest_extra={"nas": {k: v for k, v in manifest.items() if k != "environment"}},
                                          overwrite=True)
         if note:

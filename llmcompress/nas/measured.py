@@ -369,7 +369,18 @@ def measured_latency(model, space, table: dict, ftype: str):
         C[lin] = [modeled_seconds(table, {lin: f"{bits_type(b, ftype=ftype)}@{shapes[lin]}"}, ftype) - c[f"fixed@{ftype}"]
                   for b in space.bits]
     zeros = {n: [0.0] * len(space.widths) for n in space.linears}
-    lat = Additive(c[f"fixed@{ftype}"], 0.0, zeros, [0.0] * len(space.bits), C=C)
+    H = None
+    if space.head_bits:  # a searched head: the fixed part of its output-matrix type, where the table has one
+        from llmcompress.errors import UserError
+
+        types = [bits_type(b, ftype=ftype) for b in space.head_bits]
+        missing = sorted({t for t in types if f"fixed@{t}" not in c})
+        if missing:
+            have = sorted(k.split("@", 1)[1] for k in c if k.startswith("fixed@"))
+            raise UserError(f"the llama.cpp latency table has no output-matrix probe of type {', '.join(missing)}",
+                            f"use head_bits whose types it has ({', '.join(have)}), or --cost-model analytic")
+        H = [c[f"fixed@{t}"] for t in types]
+    lat = Additive(0.0 if H else c[f"fixed@{ftype}"], 0.0, zeros, [0.0] * len(space.bits), C=C, H=H)
     dense = c[f"fixed@{ftype}"] + space.n_layers * sum(c[f"{ftype}@{shapes[n]}"] for n in space.linears)
     return lat, dense
 

@@ -184,7 +184,7 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
                         f"{t['measured_at']} ({t['key']['machine']}, {t['key']['threads']} threads, load {t['load_average']}), "
                         f"fit error {t['fit_mape']:.1%} on the probes; dense float model modeled at {costs.latency_dense * 1e3:.2f} ms/token")
     arch = {**primary, "cost_model": cfg.cost_model, "targets": cfg.targets(), "group_size": space.group_size,
-            "bits_choices": space.bits, "mlp_widths_choices": space.widths, "config": cfg.to_dict(),
+            "bits_choices": space.bits, "head_bits_choices": space.head_bits, "mlp_widths_choices": space.widths, "config": cfg.to_dict(),
             "baselines": {m: {k: v for k, v in s.items() if k not in ("plan",)} for m, s in summaries.items() if m != cfg.mode},
             "dense": rows[0]}
     write_json(out / "arch.json", arch)

@@ -14,6 +14,9 @@ or RTN), and every later step reads it:
   supernet applied, so the exported model computes what the search measured.
 
 A 16-bit choice is the original floating weight (not quantized, costed as float16 in cost.py).
+The output head (`space.head_bits`, when searched) is stored under layer index `HEAD` (-1), linear 0, one
+entry per head bit width; it is round-to-nearest whatever the method (a tied head is also the embedding
+table, which GPTQ's objective, the head's output error, does not cover).
 GPTQ is hand-wired here only as a loop over the existing `quant.gptq` functions; nothing new is implemented.
 """
 
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from llmcompress.quant.apply import QuantizedWeight
 
 FLOAT_BITS = 16  # a bit width at or above this keeps the floating weight
+HEAD = -1  # bank layer index of the output head (linear index 0, bits index into space.head_bits)
 SHARED_INPUT = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj", "mlp.up_proj": "mlp.gate_proj"}
 
 
@@ -70,7 +74,7 @@ class QuantBank:
         if e is None:
             return None
         q, s, z, bits, sym = e
-        name = self.space.linears[j]
+        name = self.space.linears[j] if i != HEAD else "lm_head"
         if width is not None and width < self.space.intermediate:
             if name in ("mlp.gate_proj", "mlp.up_proj"):
                 q, s, z = q[:width], s[:width], z[:width]
@@ -124,7 +128,15 @@ def build_bank(model, space: SearchSpace, method: str = "gptq", blocks=None, act
             bank.entries[(i, j, k)] = (q.to(torch.uint8), s.float(), z.to(torch.int32), b, sym)
         if H is not None:
             H.pop(fqns[(i, j)], None)
+    if space.head_bits:
+        W = model.get_output_embeddings().weight
+        bank.floats[(HEAD, 0)] = W.detach()
+        for k, b in enumerate(space.head_bits):
+            if b < FLOAT_BITS:
+                sym = sym8 and b == 8
+                q, s, z = P.quantize(W.data, b, space.group_size, sym=sym)
+                bank.entries[(HEAD, 0, k)] = (q.to(torch.uint8), s.float(), z.to(torch.int32), b, sym)
     return bank
 
 
-__all__ = ["FLOAT_BITS", "QuantBank", "build_bank"]
+__all__ = ["FLOAT_BITS", "HEAD", "QuantBank", "build_bank"]

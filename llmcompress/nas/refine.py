@@ -31,8 +31,11 @@ if TYPE_CHECKING:
     from llmcompress.nas.supernet import Supernet
 
 
+QUANT_KINDS = {"bits", "head"}
+
+
 def same_arch(a: Arch, b: Arch) -> bool:
-    return a.keep == b.keep and a.width == b.width and a.bits == b.bits
+    return a.keep == b.keep and a.width == b.width and a.bits == b.bits and a.head == b.head
 
 
 def mutate(space: SearchSpace, arch: Arch, costs, targets: dict[str, float], rng: random.Random,
@@ -43,7 +46,7 @@ def mutate(space: SearchSpace, arch: Arch, costs, targets: dict[str, float], rng
     other choices of the same kind by one level until the targets hold, then greedily spends any budget
     left (space.upgrade with `logits`; upgrade never breaks a target).
     """
-    kinds = kinds or {"bits", "width", "skip"}
+    kinds = kinds or {"bits", "width", "skip", "head"}
     ups = [m for m in up_moves(space, arch) if m[0] in kinds]
     if not ups:
         return None
@@ -51,13 +54,14 @@ def mutate(space: SearchSpace, arch: Arch, costs, targets: dict[str, float], rng
     new = apply_move(arch, up, +1)
     touched = {up}
     while violation(costs.metrics(new), targets) > 1e-9:
-        downs = [m for m in down_moves(space, new) if m[0] == up[0] and m not in touched]
+        group = QUANT_KINDS if up[0] in QUANT_KINDS else {up[0]}  # the head's bits trade against linears' bits
+        downs = [m for m in down_moves(space, new) if m[0] in group & kinds and m not in touched]
         if not downs:
             return None
         down = rng.choice(downs)
         new = apply_move(new, down, -1)
         touched.add(down)
-    new = upgrade(space, new, logits, costs, targets) if logits is not None else new
+    new = upgrade(space, new, logits, costs, targets, kinds) if logits is not None else new
     return None if same_arch(new, arch) else new
 
 

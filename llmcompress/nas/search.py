@@ -19,7 +19,8 @@ from llmcompress.io.rundir import save_state
 from llmcompress.metrics import token_kl
 from llmcompress.nas.config import NasConfig
 from llmcompress.nas.cost import CostModels
-from llmcompress.nas.space import Arch, SearchSpace, argmax_arch, repair, upgrade
+from llmcompress.nas.refine import QUANT_KINDS
+from llmcompress.nas.space import Arch, SearchSpace, argmax_arch, repair, upgrade, violation
 from llmcompress.nas.supernet import Supernet
 
 
@@ -140,7 +141,7 @@ def run_stage(
 def expected_costs(net: Supernet, costs: CostModels) -> dict[str, torch.Tensor]:
     p = net.probs()
     p_keep = p["keep"][:, 1] if net.space.allow_skip else torch.ones(net.space.n_layers)
-    return costs.expected(p_keep, p["width"], p["bits"])
+    return costs.expected(p_keep, p["width"], p["bits"], p.get("head"))
 
 
 def _finish(mode, space, costs, cfg, logits, arch=None) -> SearchResult:
@@ -183,7 +184,7 @@ def _refined(model, net, res: SearchResult, costs, cfg, held_out, out: Path, sta
     if resume and path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("fingerprint") == cfg.fingerprint():
-            arch = Arch(saved["keep"], saved["width"], saved["bits"])
+            arch = Arch(saved["keep"], saved["width"], saved["bits"], saved.get("head"))
             return SearchResult(res.mode, arch, costs.metrics(arch), res.logits, res.note, saved["summary"])
 
     def log(rec):
@@ -191,7 +192,7 @@ def _refined(model, net, res: SearchResult, costs, cfg, held_out, out: Path, sta
 
     r = refine(model, net, net.space, costs, cfg.targets(), starts, held_out, evals=cfg.refine_evals,
                seed=cfg.seed + 29, kinds=kinds, logits=res.logits, log=log)
-    write_json(path, {"fingerprint": cfg.fingerprint(), "keep": r.arch.keep, "width": r.arch.width, "bits": r.arch.bits,
+    write_json(path, {"fingerprint": cfg.fingerprint(), "keep": r.arch.keep, "width": r.arch.width, "bits": r.arch.bits, "head": r.arch.head,
                       "summary": r.summary()})
     return SearchResult(res.mode, r.arch, costs.metrics(r.arch), res.logits, res.note, r.summary())
 
@@ -211,48 +212,109 @@ def search_joint(model, space, costs, cfg, blocks, out, resume, held_out=None, b
     logits = run_stage(model, net, costs, cfg, blocks, out, "joint", resume)
     res = _finish("joint", space, costs, cfg, logits)
     starts = {"searched": res.arch, "uniform": search_uniform(space, costs, cfg).arch}
-    return _refined(model, net, res, costs, cfg, held_out, out, starts, {"bits", "width", "skip"}, resume)
+    return _refined(model, net, res, costs, cfg, held_out, out, starts, {"bits", "width", "skip", "head"}, resume)
 
 
 def search_sequential(model, space, costs, cfg, blocks, out, resume, held_out=None, bank=None) -> SearchResult:
-    """NAS in full precision (bits pinned to the widest), then bits searched on the fixed architecture,
-    each stage with half the steps (equal total compute to joint)."""
+    """NAS-then-quantize, as a sensible pipeline would run it: stage 1 searches the architecture (skips, MLP
+    widths) with the bits pinned, stage 2 searches the bits on that fixed architecture under the final
+    targets (bits moves only), each with half the gradient steps. Stage 1 is run several ways, and the
+    validated step (held-out KL, nas/refine.py) keeps the best plan, the uniform plan included:
+
+    * oracle split ("fp@r"): stage 1 at full precision with its latency/size target at `r` of dense, for
+      each r of `cfg.sequential_splits` (1.0 down; a split stage 1 cannot reach ends the sweep, one that
+      stage 2 cannot bring to the final targets is skipped);
+    * quantization-aware ("q<b>", `cfg.sequential_quant_aware`): stage 1 costed at b bits everywhere under the
+      final latency/size targets, for each bit width b below 16 (and within a bits target) from the widest
+      at which the dense model already fits upwards (the levels at which the architecture must give way).
+
+    With no latency or size target the architecture has no budget (average bits are a ratio over the kept
+    weights, so pruning frees none): the only stage 1 is the dense model and sequential is the
+    mixed-precision-only search (said in the result's note). Compute: each candidate costs one stage 1 +
+    one stage 2 (half steps each), so the oracle spends up to (splits + levels) times joint's steps.
+    """
     import dataclasses
+
+    from llmcompress.errors import UserError
 
     half = dataclasses.replace(cfg, train_tokens=max(cfg.train_tokens // 2, cfg.seq_len * cfg.batch_size),
                                search_steps=None if cfg.search_steps is None else cfg.search_steps // 2)
     net = Supernet(model, space, bank if bank is not None else bank_for(model, space, cfg, blocks))
     init = initial_logits(model, net, cfg, blocks)
-    if init is not None:
-        net.init_from(init, {"keep", "width"})
-    net.fix(Arch.dense(space), {"bits"})
-    arch_targets = {k: v for k, v in cfg.targets().items() if k != "bits"}
-    stage1_cfg = dataclasses.replace(half, target_bits=None) if arch_targets else half
-    if not arch_targets:  # only a bits target: the full-precision architecture search has no budget
-        logits1 = net.logits()
+    init = init if init is not None else net.logits()  # kappa 0: the supernet's own starting logits
+    targets = cfg.targets()
+    arch_targets = {k: v for k, v in targets.items() if k != "bits"}
+    top = len(space.bits) - 1
+    candidates: list[tuple[str, int, dict[str, float]]] = []  # (name, pinned bits index, stage-1 targets)
+    note = ""
+    if not arch_targets:
+        candidates.append(("mixed-precision-only", top, {}))
+        note = ("only an average-bits target: the architecture stage has no budget (pruning frees none), "
+                "so sequential is the mixed-precision-only search")
     else:
-        logits1 = run_stage(model, net, costs, stage1_cfg, blocks, out, "sequential-arch", resume)
+        dense_size = costs.metrics(Arch.dense(space))["size_mb"]
+        for r in sorted(set(cfg.sequential_splits), reverse=True):
+            t1 = {k: (r if k == "latency" else r * dense_size) for k in arch_targets}
+            candidates.append((f"fp@{r:g}", top, t1))
+        if cfg.sequential_quant_aware:
+            levels = [k for k, b in enumerate(space.bits) if b < 16 and ("bits" not in targets or b <= targets["bits"] + 1e-9)]
+            fits = [k for k in levels if violation(costs.metrics(Arch.dense(space, k)), arch_targets) <= 1e-9]
+            lo = max(fits) if fits else (min(levels) if levels else None)
+            candidates += [(f"q{space.bits[k]}", k, dict(arch_targets)) for k in levels if lo is not None and k >= lo]
+    starts: dict[str, Arch] = {}
+    failed_split = False
+    for name, pin, t1 in candidates:
+        if failed_split and name.startswith("fp@"):
+            continue
+        try:
+            arch1 = _sequential_stage1(model, net, space, costs, half, blocks, out, resume, init, name, pin, t1)
+        except UserError:  # stage 1 cannot reach t1 with this pinning (lower splits cannot either)
+            failed_split = failed_split or name.startswith("fp@")
+            continue
+        try:
+            starts[name] = _sequential_stage2(model, net, space, costs, half, cfg, blocks, out, resume, init, name, arch1)
+        except UserError:  # bits alone cannot bring this architecture to the final targets
+            continue
+    if not starts:
+        raise UserError(f"sequential: no stage-1 architecture can be brought to the targets {targets} by bits alone",
+                        "relax a target, or add splits to sequential_splits")
+    first = next(iter(starts))
+    res = SearchResult("sequential", starts[first], costs.metrics(starts[first]), net.logits(), note)
+    uni = search_uniform(space, costs, cfg).arch  # dense + one width: a plan NAS-then-quantize can end at too
+    starts = {**starts, "uniform": uni}
+    # the validated step: the best of every stage-1 variant (the oracle) and uniform, then bits mutations
+    return _refined(model, net, res, costs, cfg, held_out, out, starts, QUANT_KINDS, resume)
+
+
+def _sequential_stage1(model, net, space, costs, half, blocks, out, resume, init, name, pin, t1) -> Arch:
+    """Skips and widths searched with every linear pinned at bits index `pin` under `t1` (latency/size)."""
+    import dataclasses
+
+    net.learn = {"keep", "width", "bits"}
+    net.init_from(init, {"keep", "width"})
+    net.fix(Arch.dense(space, pin), {"bits", "head"})  # the head (a quantization choice) is stage 2's
+    if not t1:  # nothing to meet: the dense architecture
+        return Arch.dense(space, pin)
+    cfg1 = dataclasses.replace(half, target_latency=t1.get("latency"), target_size_mb=t1.get("size_mb"), target_bits=None)
+    logits1 = run_stage(model, net, costs, cfg1, blocks, out, f"sequential-arch-{name}", resume)
     arch = argmax_arch(space, logits1)
-    # stage 1 alone must meet the latency/size targets at full precision when it can
-    arch = _repair_or_keep(space, arch, logits1, costs, arch_targets)
-    net.fix(arch, {"keep", "width"})
-    net.learn = {"bits"}
-    with torch.no_grad():
-        net.bits.copy_(init["bits"]) if init is not None else net.bits.zero_()
-    logits2 = run_stage(model, net, costs, half, blocks, out, "sequential-bits", resume)
-    arch.bits = argmax_arch(space, logits2).bits
-    res = _finish("sequential", space, costs, cfg, logits2, arch)
-    # the same validated refinement, on the bits only: the architecture was fixed at full precision
-    return _refined(model, net, res, costs, cfg, held_out, out, {"searched": res.arch}, {"bits"}, resume)
+    arch.bits, arch.head = Arch.dense(space, pin).bits, Arch.dense(space).head
+    arch = repair(space, arch, logits1, costs, t1, {"skip", "width"})
+    return upgrade(space, arch, logits1, costs, t1, {"skip", "width"})
 
 
-def _repair_or_keep(space, arch, logits, costs, targets):
-    from llmcompress.errors import UserError
-
-    try:
-        return repair(space, arch, logits, costs, targets)
-    except UserError:
-        return arch  # unreachable at full precision: bits must help in stage 2
+def _sequential_stage2(model, net, space, costs, half, cfg, blocks, out, resume, init, name, arch1) -> Arch:
+    """Bits (and the head's, when searched) on the fixed architecture `arch1` under the final targets
+    (quantization moves only)."""
+    net.fix(arch1, {"keep", "width"})
+    net.learn = QUANT_KINDS & set(net.groups)
+    net.init_from(init, QUANT_KINDS & set(net.groups))
+    logits2 = run_stage(model, net, costs, half, blocks, out, f"sequential-bits-{name}", resume)
+    arch = arch1.copy()
+    derived = argmax_arch(space, logits2)
+    arch.bits, arch.head = derived.bits, derived.head
+    arch = repair(space, arch, logits2, costs, cfg.targets(), QUANT_KINDS)
+    return upgrade(space, arch, logits2, costs, cfg.targets(), QUANT_KINDS)
 
 
 def search_uniform(space: SearchSpace, costs: CostModels, cfg: NasConfig) -> SearchResult:

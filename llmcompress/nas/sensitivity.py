@@ -37,6 +37,7 @@ class Sensitivity:
     bits: torch.Tensor  # (L, n_linears, n_bits) relative error energy
     width: torch.Tensor  # (L, n_widths)
     skip: torch.Tensor  # (L,)
+    head: torch.Tensor | None = None  # (n_head_bits,) measured KL of the head alone at each width (calibrate)
 
     def scale(self) -> float:
         """Typical magnitude: the median error of the choice nearest 4 bits (positive)."""
@@ -199,7 +200,28 @@ def calibrate(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity
             h.remove()
     bits = sens.bits * factor[:, None, :]
     width = sens.width * wfac[:, None]
-    return Sensitivity(bits, width, skip)
+    return Sensitivity(bits, width, skip, head_kl(model, space, blocks, bank, ref, batch) if space.head_bits else None)
+
+
+def head_kl(model, space: SearchSpace, blocks: torch.Tensor, bank: QuantBank, ref: list[torch.Tensor], batch: int = 2) -> torch.Tensor:
+    """KL to the teacher with only the output head at each of `space.head_bits` (a tied head is the embedding
+    table too: both change, as in the export). One forward pass per width; the weight is restored."""
+    import torch
+
+    from llmcompress.nas.qbank import HEAD
+
+    W = model.get_output_embeddings().weight
+    saved = W.detach().clone()
+    out = torch.zeros(len(space.head_bits))
+    try:
+        for k in range(len(space.head_bits)):
+            with torch.no_grad():
+                W.copy_(bank.dequant(HEAD, 0, k) if (HEAD, 0, k) in bank.entries else saved)
+            out[k] = mean_kl(model, blocks, ref, batch)
+    finally:
+        with torch.no_grad():
+            W.copy_(saved)
+    return out
 
 
 def init_logits(sens: Sensitivity, kappa: float = 2.0, cap: float = 1e4) -> dict[str, torch.Tensor]:
@@ -212,7 +234,10 @@ def init_logits(sens: Sensitivity, kappa: float = 2.0, cap: float = 1e4) -> dict
         return (-kappa * t / s).clamp(min=-cap)
 
     keep = torch.stack([f(sens.skip), torch.zeros_like(sens.skip)], dim=-1)
-    return {"keep": keep, "width": f(sens.width), "bits": f(sens.bits)}
+    out = {"keep": keep, "width": f(sens.width), "bits": f(sens.bits)}
+    if sens.head is not None:
+        out["head"] = f(sens.head)
+    return out
 
 
-__all__ = ["Sensitivity", "calibrate", "init_logits", "input_moments", "mean_kl", "measure", "reference_logp", "weighted_error"]
+__all__ = ["Sensitivity", "calibrate", "head_kl", "init_logits", "input_moments", "mean_kl", "measure", "reference_logp", "weighted_error"]

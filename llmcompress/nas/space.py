@@ -35,6 +35,9 @@ class SearchSpace:
     shapes: dict[str, tuple[int, int]]
     layers_path: str = "model.layers"
     linears: tuple[str, ...] = LINEARS
+    head_bits: list[int] = field(default_factory=list)  # empty: the head stays float, outside the space
+    head_shape: tuple[int, int] = (0, 0)  # (vocab, hidden) of the output head
+    tied: bool = False  # the head is the embedding table too
 
     def shape(self, name: str, width: int) -> tuple[int, int]:
         out, inp = self.shapes[name]
@@ -50,15 +53,22 @@ class SearchSpace:
 
 @dataclass
 class Arch:
-    """A discrete architecture: per original layer keep, MLP width index and bits index per linear."""
+    """A discrete architecture: per original layer keep, MLP width index and bits index per linear, and
+    the head's bits index (into space.head_bits; None when the head is not in the space)."""
 
     keep: list[bool]
     width: list[int]  # index into space.widths
     bits: list[list[int]]  # [layer][linear] index into space.bits
+    head: int | None = None
     extra: dict = field(default_factory=dict)
 
     def copy(self) -> Arch:
-        return Arch(list(self.keep), list(self.width), [list(b) for b in self.bits], dict(self.extra))
+        return Arch(list(self.keep), list(self.width), [list(b) for b in self.bits], self.head, dict(self.extra))
+
+    def copy_with_head(self, head: int | None) -> Arch:
+        new = self.copy()
+        new.head = head
+        return new
 
     def to_dict(self, space: SearchSpace) -> dict:
         layers = []
@@ -69,13 +79,22 @@ class Arch:
                 "mlp_width": space.widths[self.width[i]],
                 "bits": {n: space.bits[b] for n, b in zip(space.linears, self.bits[i])},
             })
-        return {"layers": layers, "kept": sum(self.keep)}
+        out = {"layers": layers, "kept": sum(self.keep)}
+        if self.head is not None:
+            out["head_bits"] = space.head_bits[self.head]
+        return out
 
     @classmethod
     def dense(cls, space: SearchSpace, bits_idx: int | None = None) -> Arch:
+        """Every layer kept at full width, every linear at bits index `bits_idx` (default: the widest), a
+        searched head at the same bit width when it has it."""
         b = len(space.bits) - 1 if bits_idx is None else bits_idx
         n = len(space.linears)
-        return cls([True] * space.n_layers, [len(space.widths) - 1] * space.n_layers, [[b] * n for _ in range(space.n_layers)])
+        head = None
+        if space.head_bits:  # a searched head at the same width (else the widest below it, else the lowest)
+            below = [k for k, hb in enumerate(space.head_bits) if hb <= space.bits[b]]
+            head = below[-1] if below else 0
+        return cls([True] * space.n_layers, [len(space.widths) - 1] * space.n_layers, [[b] * n for _ in range(space.n_layers)], head)
 
 
 def _auto_group_size(dims: list[int]) -> int:
@@ -113,9 +132,12 @@ def build_space(model, cfg) -> SearchSpace:
         )
     n = len(layers)
     min_keep = max(1, math.ceil(cfg.min_keep_frac * n - 1e-9)) if cfg.allow_skip else n
+    head = model.get_output_embeddings().weight
+    tied = head is model.get_input_embeddings().weight
     return SearchSpace(
         n_layers=n, hidden=hidden, intermediate=inter, widths=widths, bits=sorted(set(cfg.bits)), group_size=gs,
         allow_skip=cfg.allow_skip, min_keep=min(n, min_keep), shapes=shapes, layers_path=adapter.layers,
+        head_bits=sorted(set(getattr(cfg, "head_bits", []) or [])), head_shape=tuple(head.shape), tied=tied,
     )
 
 
@@ -172,21 +194,25 @@ def argmax_arch(space: SearchSpace, logits: dict[str, torch.Tensor]) -> Arch:
             keep[i] = True
     width = logits["width"].argmax(-1).tolist()
     bits = logits["bits"].argmax(-1).tolist()
-    return Arch(keep, width, bits)
+    head = int(logits["head"].argmax()) if space.head_bits and "head" in logits else (len(space.head_bits) - 1 if space.head_bits else None)
+    return Arch(keep, width, bits, head)
 
 
 def violation(metrics: dict[str, float], targets: dict[str, float]) -> float:
     return sum(max(0.0, metrics[k] / t - 1.0) for k, t in targets.items())
 
 
-def repair(space: SearchSpace, arch: Arch, logits: dict[str, torch.Tensor] | None, costs, targets: dict[str, float]) -> Arch:
+def repair(space: SearchSpace, arch: Arch, logits: dict[str, torch.Tensor] | None, costs, targets: dict[str, float],
+           kinds: set[str] | None = None) -> Arch:
     """Greedily lower choices until every target holds, each step taking the move with the least loss of
-    logit per unit of violation removed (the search's preferences decide what goes first)."""
+    logit per unit of violation removed (the search's preferences decide what goes first). `kinds` limits
+    the moves ("skip", "width", "bits", "head"; default all): a stage whose architecture is fixed repairs bits only
+    (with all kinds, skipping a high-bit layer lowers the *average* bits, and pinned logits make it cheap)."""
     arch = arch.copy()
     v = violation(costs.metrics(arch), targets)
     while v > 1e-9:
         best = None
-        for move in down_moves(space, arch):
+        for move in down_moves(space, arch, kinds):
             new = apply_move(arch, move)
             dv = v - violation(costs.metrics(new), targets)
             if dv <= 1e-12:
@@ -200,16 +226,18 @@ def repair(space: SearchSpace, arch: Arch, logits: dict[str, torch.Tensor] | Non
     return arch
 
 
-def upgrade(space: SearchSpace, arch: Arch, logits: dict[str, torch.Tensor] | None, costs, targets: dict[str, float]) -> Arch:
+def upgrade(space: SearchSpace, arch: Arch, logits: dict[str, torch.Tensor] | None, costs, targets: dict[str, float],
+            kinds: set[str] | None = None) -> Arch:
     """Greedily raise choices while every target still holds: spends the budget that argmax and repair
-    left unused, each step taking the move with the most logit gained per unit of (normalized) cost."""
+    left unused, each step taking the move with the most logit gained per unit of (normalized) cost
+    (`kinds` as in `repair`)."""
     arch = arch.copy()
     m = costs.metrics(arch)
     if violation(m, targets) > 1e-9:
         return arch
     while True:
         best = None
-        for move in up_moves(space, arch):
+        for move in up_moves(space, arch, kinds):
             new = apply_move(arch, move, +1)
             m2 = costs.metrics(new)
             if violation(m2, targets) > 1e-9:
@@ -224,8 +252,16 @@ def upgrade(space: SearchSpace, arch: Arch, logits: dict[str, torch.Tensor] | No
         arch, m = best[1], best[2]
 
 
-def up_moves(space: SearchSpace, arch: Arch):
-    """Every single choice that can be raised one step (a skipped layer back on), as (kind, layer, linear)."""
+def up_moves(space: SearchSpace, arch: Arch, kinds: set[str] | None = None):
+    """Every single choice that can be raised one step (a skipped layer back on), as (kind, layer, linear);
+    only those of `kinds` when given."""
+    moves = _up_moves(space, arch)
+    return moves if kinds is None else (m for m in moves if m[0] in kinds)
+
+
+def _up_moves(space: SearchSpace, arch: Arch):
+    if arch.head is not None and arch.head < len(space.head_bits) - 1:
+        yield ("head", None, None)
     for i in range(space.n_layers):
         if not arch.keep[i]:
             if space.allow_skip:
@@ -238,8 +274,16 @@ def up_moves(space: SearchSpace, arch: Arch):
                 yield ("bits", i, j)
 
 
-def down_moves(space: SearchSpace, arch: Arch):
-    """Every single choice that can be lowered one step (a kept layer skipped), as (kind, layer, linear)."""
+def down_moves(space: SearchSpace, arch: Arch, kinds: set[str] | None = None):
+    """Every single choice that can be lowered one step (a kept layer skipped), as (kind, layer, linear);
+    only those of `kinds` when given."""
+    moves = _down_moves(space, arch)
+    return moves if kinds is None else (m for m in moves if m[0] in kinds)
+
+
+def _down_moves(space: SearchSpace, arch: Arch):
+    if arch.head is not None and arch.head > 0:
+        yield ("head", None, None)
     kept = sum(arch.keep)
     for i in range(space.n_layers):
         if not arch.keep[i]:
@@ -259,6 +303,8 @@ def apply_move(arch: Arch, move, step: int = -1) -> Arch:
     new = arch.copy()
     if kind == "skip":
         new.keep[i] = step > 0
+    elif kind == "head":
+        new.head += step
     elif kind == "width":
         new.width[i] += step
     else:
@@ -273,6 +319,9 @@ def _logit_drop(logits, arch: Arch, move) -> float:
     if kind == "skip":
         k = logits["keep"][i]
         return float(k[1] - k[0])
+    if kind == "head":
+        h = logits["head"]
+        return float(h[arch.head] - h[arch.head - 1])
     if kind == "width":
         w = logits["width"][i]
         return float(w[arch.width[i]] - w[arch.width[i] - 1])

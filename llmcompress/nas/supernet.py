@@ -8,6 +8,8 @@
 * width: the input of `down_proj` is multiplied by sum_k g_k * prefix_mask_k (channels are ranked, so
   width k keeps the first widths[k] channels).
 * skip: the layer output becomes h + g_keep * (layer(h) - h).
+* head (when `space.head_bits` is searched): the output head's weight is sum_h g_h * Q_h(W_head) (bank layer
+  HEAD); a tied head is the embedding table too, so the input embedding looks up the same mixed weight.
 
 With `teacher()` active the patched modules run the original weights: one model serves as teacher and
 student. Only the architecture logits are trained.
@@ -22,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmcompress.io.adapters import get_adapter
-from llmcompress.nas.qbank import QuantBank, build_bank
+from llmcompress.nas.qbank import HEAD, QuantBank, build_bank
 from llmcompress.nas.space import Arch, SearchSpace
 
 
@@ -69,10 +71,13 @@ class Supernet(nn.Module):
     def __init__(self, model, space: SearchSpace, bank: QuantBank | None = None, learn: set[str] | None = None) -> None:
         super().__init__()
         L, nl, nb, K = space.n_layers, len(space.linears), len(space.bits), len(space.widths)
-        self.space, self.learn = space, set(learn or {"keep", "width", "bits"})
+        self.groups = ("keep", "width", "bits", "head") if space.head_bits else ("keep", "width", "bits")
+        self.space, self.learn = space, set(learn or self.groups)
         self.keep = nn.Parameter(torch.tensor([[0.0, 3.0]]).repeat(L, 1))  # start near "keep"
         self.width = nn.Parameter(torch.zeros(L, K))
         self.bits = nn.Parameter(torch.zeros(L, nl, nb))
+        if space.head_bits:
+            self.head = nn.Parameter(torch.zeros(len(space.head_bits)))
         self._model = [model]  # not a submodule: its weights are not ours
         self._handles: list = []
         self.bank = bank if bank is not None else build_bank(model, space, "rtn", progress=False)
@@ -99,16 +104,19 @@ class Supernet(nn.Module):
                 if "bits" in groups:
                     for j in range(len(s.linears)):
                         self.bits[i, j] = one_hot_logits(len(s.bits), arch.bits[i][j])
+            if "head" in groups and s.head_bits and arch.head is not None:
+                self.head.copy_(one_hot_logits(len(s.head_bits), arch.head))
         self.learn -= groups
 
     def init_from(self, logits: dict[str, torch.Tensor], groups: set[str] | None = None) -> None:
         """Set the named logit groups (default: all) to `logits` (e.g. sensitivity.init_logits)."""
         with torch.no_grad():
-            for g in groups or ("keep", "width", "bits"):
-                getattr(self, g).copy_(logits[g])
+            for g in groups or self.groups:
+                if g in self.groups and g in logits:
+                    getattr(self, g).copy_(logits[g])
 
     def trainable(self) -> list[nn.Parameter]:
-        return [getattr(self, g) for g in ("keep", "width", "bits") if g in self.learn]
+        return [getattr(self, g) for g in self.groups if g in self.learn]
 
     # ---- hooks -------------------------------------------------------------------------------------
 
@@ -124,6 +132,14 @@ class Supernet(nn.Module):
             self._handles.append(layer.mlp.down_proj.register_forward_pre_hook(self._width_hook(i)))
             if s.allow_skip:
                 self._handles.append(layer.register_forward_hook(self._skip_hook(i), with_kwargs=True))
+        if s.head_bits:
+            head = model.get_output_embeddings()
+            head.forward = self._head_forward(head)
+            self._handles.append(("forward", head))
+            if s.tied:
+                emb = model.get_input_embeddings()
+                emb.forward = self._embed_forward(emb)
+                self._handles.append(("forward", emb))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -143,6 +159,23 @@ class Supernet(nn.Module):
             g = self._sample["bits"][i, j]  # (nb,)
             W = _Mix.apply(g, self.bank, i, j)
             return linear(lin, x, W, lin.bias)
+
+        return forward
+
+    def _head_weight(self):
+        return _Mix.apply(self._sample["head"], self.bank, HEAD, 0)
+
+    def _head_forward(self, lin: nn.Linear):
+        def forward(x):
+            return F.linear(x, self._head_weight() if self.active else lin.weight, lin.bias)
+
+        return forward
+
+    def _embed_forward(self, emb: nn.Embedding):
+        def forward(ids):
+            if not self.active:
+                return F.embedding(ids, emb.weight, emb.padding_idx)
+            return F.embedding(ids, self._head_weight(), emb.padding_idx)
 
         return forward
 
@@ -170,7 +203,7 @@ class Supernet(nn.Module):
     # ---- sampling ----------------------------------------------------------------------------------
 
     def probs(self) -> dict[str, torch.Tensor]:
-        return {"keep": self.keep.softmax(-1), "width": self.width.softmax(-1), "bits": self.bits.softmax(-1)}
+        return {g: getattr(self, g).softmax(-1) for g in self.groups}
 
     def sample(self, tau: float, generator: torch.Generator | None = None) -> None:
         """Draw one Gumbel-softmax relaxation of every choice (used by the next student forwards)."""
@@ -179,10 +212,10 @@ class Supernet(nn.Module):
             u = torch.rand(logits.shape, generator=generator).clamp(1e-9, 1 - 1e-9)
             return ((logits - torch.log(-torch.log(u))) / tau).softmax(-1)
 
-        self._sample = {g: (gs(getattr(self, g)) if g in self.learn else getattr(self, g).softmax(-1)) for g in ("keep", "width", "bits")}
+        self._sample = {g: (gs(getattr(self, g)) if g in self.learn else getattr(self, g).softmax(-1)) for g in self.groups}
 
     def logits(self) -> dict[str, torch.Tensor]:
-        return {"keep": self.keep.detach().clone(), "width": self.width.detach().clone(), "bits": self.bits.detach().clone()}
+        return {g: getattr(self, g).detach().clone() for g in self.groups}
 
     @contextmanager
     def student(self):
