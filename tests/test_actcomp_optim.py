@@ -3,6 +3,7 @@ compressed linear under bf16 autocast (no autocast weight-cache copies, the sket
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import pytest
@@ -229,3 +230,85 @@ def test_under_bf16_autocast_no_weight_copy_stays_alive_and_the_sketch_is_saved(
                 assert casts.alive() >= 2  # the control: stock autocast keeps its cached copies
         y.float().sum().backward()
     assert net[0].weight.grad.dtype == torch.float32 and net[0].weight.grad.abs().sum() > 0
+
+
+# ---- --act-grad factored: the CLI option of co-compression (distill) ---------------------------------
+
+
+def _train_text(tmp_path):
+    import random
+
+    rng = random.Random(0)
+    words = ["the cat", "a dog", "sat on", "the mat", "ran far", "and then", "it was", "very good"]
+    path = tmp_path / "train.txt"
+    path.write_text(" ".join(rng.choice(words) for _ in range(3000)))
+    return path
+
+
+def _distill_cli(capsys, *args):
+    from llmcompress.cli import app
+    from llmcompress.cli._errors import run_app
+
+    capsys.readouterr()
+    code = run_app(app, ["distill", *map(str, args)])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["e2e", "layerwise"])
+def test_distill_act_grad_factored_steps_adamw_from_the_factors(mode, tiny_hf_dir, tmp_path, capsys, monkeypatch):
+    """Through the CLI: with --act-grad factored every training step goes through FactoredStep, the sketched
+    linears are stepped from their factors, and no two of their dense gradients are ever alive together."""
+    import json
+
+    from llmcompress.actcomp import optim
+
+    steps, items = [], []
+    real_step = optim.FactoredStep.step
+
+    def spy(self):
+        items.append(len(self.compressor.factors))
+        steps.append(1)
+        return real_step(self)
+
+    monkeypatch.setattr(optim.FactoredStep, "step", spy)
+    out = tmp_path / "out"
+    code, err = _distill_cli(capsys, tiny_hf_dir, "--keep-layers", 2, "--mode", mode, "--train-tokens", 32 * 4 * 4,
+                             "--data", _train_text(tmp_path), "--seq-len", 32, "--batch-size", 4, "--eval-tokens", 0,
+                             "--cache-dir", tmp_path / "cache", "--act-rank", 8, "--act-grad", "factored", "--out", out)
+    assert code == 0, err
+    act = json.loads((out / "metrics.json").read_text())["activations"]
+    assert act["act_grad"] == "factored" and steps and all(n > 0 for n in items)  # every step had factored gradients
+    n = act["factored_weights"]
+    assert n == max(items) >= 4  # q/k/v/gate/up/down of a layer at least (o_proj's input may be held, exact)
+    from safetensors.torch import load_file
+
+    sd = load_file(str(out / "student" / "model.safetensors"))
+    largest = max(v.numel() * 4 for k, v in sd.items() if k.endswith("proj.weight"))
+    assert 0 < act["factored_peak_dense_grad_bytes"] <= largest  # one linear's dense gradient at a time
+    assert "linears stepped from their factors" in (out / "report.md").read_text()
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) for r in log)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--act-grad", "banana", "--act-rank", "8"], "--act-grad"),
+    (["--act-grad", "factored"], "--act-grad factored keeps the sketched weight gradients as factors"),
+])
+def test_distill_act_grad_bad_values_exit_2_in_one_line(args, needle, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = _distill_cli(capsys, "/no/such/model", "--keep-layers", 2, *args, "--out", out)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and needle in lines[0] and lines[0].startswith("error: "), err
+    assert not out.exists()
+
+
+def test_act_grad_factored_is_refused_under_torchrun_before_anything_is_written(tmp_path):
+    from llmcompress.distill import DistillConfig
+    from llmcompress.distill.dist import DistInfo
+    from llmcompress.distill.engine import distill
+    from llmcompress.errors import UserError
+
+    cfg = DistillConfig(teacher="/no/such/model", keep_layers=2, act_rank=8, act_grad="factored")
+    with pytest.raises(UserError, match="single process"):
+        distill(cfg, tmp_path / "out", dist=DistInfo(0, 2, "gloo"))
+    assert not (tmp_path / "out").exists()

@@ -389,15 +389,18 @@ class _CountOnly:
 
 
 @contextmanager
-def training(modules, rank=None, *, budget: float = 0.25, seed: int = 0):
+def training(modules, rank=None, *, budget: float = 0.25, seed: int = 0, co_compress: bool = False):
     """The context a training loop puts around its steps (distill, nas): `compress_activations` when `rank`
-    is set, else only the saved-bytes count; either way call `set_step(step)` at every step."""
+    is set, else only the saved-bytes count; either way call `set_step(step)` at every step. With
+    `co_compress` (needs `rank`) the loop steps its optimizer through `optim.stepper(opt, ac)`."""
     from llmcompress.actcomp.counter import count_saved
 
     if rank is not None:
-        with compress_activations(modules, rank, budget=budget, seed=seed) as ac:
+        with compress_activations(modules, rank, budget=budget, seed=seed, co_compress=co_compress) as ac:
             yield ac
         return
+    if co_compress:
+        raise ValueError("co_compress needs a rank: without compression there are no gradient factors")
     roots = list(modules) if isinstance(modules, (list, tuple)) else [modules]
     with count_saved(roots, _decoder_layers(roots)) as c:
         yield _CountOnly(c)
@@ -411,11 +414,17 @@ def summary(ac, steps: int, seconds: float, into: dict | None = None) -> dict:
     """
     s = ac.counter.summary() if ac.counter is not None else {}
     s = {**s, "act_rank": ac.rank if ac.rank is None or isinstance(ac.rank, (int, str)) else float(ac.rank),
+         "act_grad": "factored" if getattr(ac, "co_compress", False) else "dense",
          "steps": steps, "step_s": round(seconds / max(1, steps), 4)}
+    fs = getattr(ac, "stepper", None)
+    if fs is not None:  # a FactoredStep stepped this loop: what it measured
+        s["factored_weights"] = fs.factored_weights
+        s["factored_peak_dense_grad_bytes"] = fs.peak_dense_grad_bytes
     if getattr(ac, "auto_ranks", None):
         s["auto_ranks"] = dict(ac.auto_ranks)
     if into:
         n = into.get("steps", 0) + steps
         step_s = (into.get("step_s", 0.0) * into.get("steps", 0) + seconds) / max(1, n)
-        s = {**into, **{k: max(v, into.get(k, 0)) for k, v in s.items() if k.endswith("_bytes")}, "steps": n, "step_s": round(step_s, 4)}
+        s = {**into, **{k: max(v, into.get(k, 0)) for k, v in s.items() if k.endswith("_bytes") or k == "factored_weights"},
+             "steps": n, "step_s": round(step_s, 4)}
     return s

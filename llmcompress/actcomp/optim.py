@@ -57,6 +57,8 @@ class FactoredStep:
         peak_dense_grad_bytes: the largest total of dense `.grad` bytes of factored weights alive at
             once while stepping (measured at each materialisation; 0 when SGD steps from the factors).
         materialized: dense gradients formed in the last step.
+        factored_weights: the most weights stepped from factors in one step so far (0: co-compression
+            never took effect, e.g. no linear input was sketched).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, compressor) -> None:
@@ -66,6 +68,13 @@ class FactoredStep:
         self._group = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self.peak_dense_grad_bytes = 0
         self.materialized = 0
+        self.factored_weights = 0
+        compressor.stepper = self  # summary() reports what it measured
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped optimizer's (a loop sets the learning rate through them)."""
+        return self.optimizer.param_groups
 
     def _items(self):
         """(weight, U, V) of every factored gradient, in module order."""
@@ -113,6 +122,7 @@ class FactoredStep:
         """Step every parameter: dense grads first (one optimizer.step()), then each factored weight alone."""
         items = self._items()
         self.compressor.factors = {}
+        self.factored_weights = max(self.factored_weights, len(items))
         fweights = [w for w, _, _ in items]
         own = {id(w): w.grad for w in fweights}  # a dense part of a factored weight (it also ran uncompressed)
         for w in fweights:
@@ -157,3 +167,17 @@ class FactoredStep:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
+
+
+def stepper(optimizer: torch.optim.Optimizer, compressor):
+    """What a training loop steps: `FactoredStep(optimizer, compressor)` when the compressor keeps factored
+    gradients (`co_compress`), else the optimizer itself. Both have zero_grad, step, param_groups and
+    state_dict; clip through `clip_grad_norm_(stepped, params, max_norm)`."""
+    return FactoredStep(optimizer, compressor) if getattr(compressor, "co_compress", False) else optimizer
+
+
+def clip_grad_norm_(stepped, params, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_(params, max_norm), or the FactoredStep's own (which sees the factors)."""
+    if isinstance(stepped, FactoredStep):
+        return stepped.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)

@@ -9,7 +9,9 @@ from typing import Annotated, Optional
 import typer
 
 from llmcompress.actcomp.options import HELP_BUDGET as ACT_HELP_BUDGET
+from llmcompress.actcomp.options import HELP_GRAD as ACT_HELP_GRAD
 from llmcompress.actcomp.options import HELP_RANK as ACT_HELP_RANK
+from llmcompress.actcomp.options import ActGrad
 from llmcompress.cli._options import (
     AllowPickleOpt,
     DeviceOpt,
@@ -67,6 +69,7 @@ def distill_command(
     overwrite: OverwriteOpt = False,
     act_rank: Annotated[Optional[str], typer.Option("--act-rank", help=ACT_HELP_RANK)] = None,
     act_budget: Annotated[Optional[float], typer.Option("--act-budget", help=ACT_HELP_BUDGET)] = None,
+    act_grad: Annotated[Optional[ActGrad], typer.Option("--act-grad", help=ACT_HELP_GRAD)] = None,
     save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="float32 | bfloat16 | float16 for the saved checkpoint (default: the source model's dtype).")] = None,
     resume: ResumeOpt = False,
     allow_pickle: AllowPickleOpt = False,
@@ -110,7 +113,7 @@ def distill_command(
         cache_dir=str(cache_dir) if cache_dir else None, eval_tokens=eval_tokens, seed=seed, threads=threads,
         save_dtype=save_dtype, grad_compress=grad_compress, grad_rank=grad_rank, grad_rank_min=grad_rank_min,
         grad_rank_max=grad_rank_max, grad_warmup=grad_warmup, grad_entropy_span=grad_entropy_span,
-        act_rank=parse_rank(act_rank), act_budget=act_budget,
+        act_rank=parse_rank(act_rank), act_budget=act_budget, act_grad=act_grad,
     )
     cfg = config_from_dict(overrides, base=load_spec(spec) if spec is not None else DistillConfig())
     cfg.validate()  # every number, before torch loads

@@ -111,6 +111,9 @@ class DistillConfig:
         act_rank / act_budget: activation compression of the trained linears' saved inputs (rank R random
             sketches, or "auto": per-input ranks holding act_budget of the uncompressed bytes; see
             llmcompress/actcomp); None = off. The saved-activation bytes are counted either way.
+        act_grad: with act_rank, the sketched weight gradients' form: dense (written into .grad) or factored
+            (co-compression: kept as rank-r factors, AdamW stepped from them one linear at a time by
+            actcomp.optim.FactoredStep; single process only: DDP all-reduces dense gradients).
     """
 
     teacher: str = DEFAULT_MODEL
@@ -154,6 +157,7 @@ class DistillConfig:
     grad_entropy_span: float = 0.1
     act_rank: int | str | None = None
     act_budget: float = 0.25
+    act_grad: act_options.ActGrad = act_options.ActGrad.DENSE
     version: int = 1
 
     def __post_init__(self) -> None:
@@ -163,6 +167,7 @@ class DistillConfig:
         self.cache_dtype = choice(CacheDtype, self.cache_dtype, "cache_dtype")
         self.precision = choice(Precision, self.precision, "precision")
         self.grad_compress = choice(GradCompress, self.grad_compress, "grad_compress")
+        self.act_grad = choice(act_options.ActGrad, self.act_grad, "act_grad")
         if self.save_dtype is not None:
             from llmcompress.io.dtypes import torch_dtype
 
@@ -186,6 +191,7 @@ class DistillConfig:
         from llmcompress.errors import UserError
 
         check_ranges(self, RANGES)
+        act_options.check_grad(self.act_grad, self.act_rank)
         if self.grad_compress != GradCompress.NONE and self.mode == Mode.LAYERWISE and self.e2e_steps < 1:
             raise UserError(
                 "--grad-compress applies to data-parallel end-to-end training, and this run has none",

@@ -82,11 +82,14 @@ def logit_steps(run: Run, model, layers, *, steps: int, lr: float, order: list, 
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
     from llmcompress.actcomp.layer import summary, training
+    from llmcompress.actcomp.optim import stepper
 
     comp = _grad_compression(run, model)
     every = max(1, steps // 4)
     t0 = time.perf_counter()
-    with bar(title, total=steps) as b, training(layers, cfg.act_rank, budget=cfg.act_budget, seed=cfg.seed + 11) as ac:
+    with bar(title, total=steps) as b, training(layers, cfg.act_rank, budget=cfg.act_budget, seed=cfg.seed + 11,
+                                                  co_compress=cfg.act_grad == "factored") as ac:
+        stepped = stepper(opt, ac)  # opt, or its FactoredStep (--act-grad factored)
         start = restore(run, layers, opt, steps, name=name, comp=comp, act=ac)
         ddp = _wrap(run, model, comp)
         fwd = ddp if ddp is not None else model
@@ -103,7 +106,7 @@ def logit_steps(run: Run, model, layers, *, steps: int, lr: float, order: list, 
             with run.autocast():
                 s_logits = fwd(input_ids=ids, use_cache=False).logits
             loss, parts = losses.logit_objective(s_logits, t_logits, ids, cfg.kl_temperature, cfg.ce_weight)
-            losses.optimizer_step(opt, params, loss)
+            losses.optimizer_step(stepped, params, loss)
             rec = {"phase": "e2e", "step": step, "loss": loss.item(), **parts}
             if comp is not None:
                 rec = {**rec, **_mean_over_ranks(rec, parts), **comp.end_step(), "step_s": round(time.perf_counter() - t_step, 4)}

@@ -148,10 +148,13 @@ def _train_segment(run: Run, seg: Segment, *, phase: int, steps: int, shards: li
     order = cur.epoch_order(len(shards), steps, seed=cfg.seed * 1000 + 10 * seg.index + phase)
     history = []
     from llmcompress.actcomp.layer import summary, training
+    from llmcompress.actcomp.optim import stepper
 
     t0 = time.perf_counter()
     with bar(f"phase {phase} segment {seg.index}", total=steps) as b, \
-            training(run.layers(seg), cfg.act_rank, budget=cfg.act_budget, seed=cfg.seed * 1000 + 10 * seg.index + phase) as ac:
+            training(run.layers(seg), cfg.act_rank, budget=cfg.act_budget, seed=cfg.seed * 1000 + 10 * seg.index + phase,
+                     co_compress=cfg.act_grad == "factored") as ac:
+        stepped = stepper(opt, ac)  # opt, or its FactoredStep (--act-grad factored)
         batches = prefetch(_loader(run, seg, phase), [shards[j] for j in order], depth=cfg.prefetch)
         for step, (x_t, x_s, y, ids) in enumerate(batches):
             ac.set_step(step)
@@ -160,7 +163,7 @@ def _train_segment(run: Run, seg: Segment, *, phase: int, steps: int, shards: li
             for g in opt.param_groups:
                 g["lr"] = cur.lr_at(step, steps, cfg.learning_rate)
             loss, parts = _segment_loss(run, seg, x, _to(y, run), step_seed=cfg.seed * 100003 + step * 101 + seg.index, ids=ids)
-            losses.optimizer_step(opt, params, loss)
+            losses.optimizer_step(stepped, params, loss)
             history.append(loss.item())
             run.log({"phase": phase, "segment": seg.index, "step": step, "loss": loss.item(), **parts, "mix": round(alpha, 4)})
             b.advance(info=f"loss={loss.item():.4f}")
@@ -374,6 +377,11 @@ def distill(
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dist = dist or DistInfo()
+    if dist.world_size > 1 and cfg.act_grad == "factored":
+        from llmcompress.errors import UserError
+
+        raise UserError("--act-grad factored runs in a single process: under torchrun DDP all-reduces dense weight gradients",
+                        "drop --act-grad factored (or torchrun)")
     out = Path(out)
     t_start = time.perf_counter()
     dev, _ = resolve_device(device)

@@ -50,12 +50,13 @@ def next_token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def optimizer_step(opt, params, loss: torch.Tensor, max_norm: float = 1.0) -> float:
-    """One training step on `loss` (zero grads, backward, clip to `max_norm`, step); returns the loss value."""
-    import torch
+    """One training step on `loss` (zero grads, backward, clip to `max_norm`, step); returns the loss value.
+    `opt` is a torch optimizer or, with --act-grad factored, an actcomp FactoredStep (actcomp/optim.py)."""
+    from llmcompress.actcomp.optim import clip_grad_norm_
 
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    clip_grad_norm_(opt, params, max_norm)
     opt.step()
     return loss.item()
 

@@ -48,6 +48,11 @@ def render(cfg, metrics: dict[str, Any]) -> str:
         rank = act.get("act_rank")
         rows += [
             ("activation compression (--act-rank)", "off" if rank is None else (f"auto, budget {cfg.act_budget}" if rank == "auto" else rank)),
+        ]
+        if act.get("act_grad") == "factored":
+            rows.append(("weight gradients (--act-grad factored)", f"{act.get('factored_weights', 0)} linears stepped from their factors, "
+                         f"dense gradients alive at once at most {act.get('factored_peak_dense_grad_bytes', 0) / mib:,.2f} MiB"))
+        rows += [
             ("saved-for-backward bytes per step, peak (MiB)", act.get("saved_total_bytes", 0) / mib),
             ("  of which linear inputs (MiB; uncompressed)", f"{act.get('saved_linear_input_bytes', 0) / mib:,.2f} "
              f"({act.get('saved_linear_input_uncompressed_bytes', 0) / mib:,.2f})"),
