@@ -6,6 +6,7 @@ lot); every rank writes OUT/rank{r}.pt.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
