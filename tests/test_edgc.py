@@ -91,7 +91,13 @@ def test_two_ranks_zip_bit_identical_forced_rank_change_keeps_error_feedback(tmp
         assert f["changes"][8] == {"error_kept": True, "pq_cleared": True, "rank": 6}
         assert f["rank_trace"][:9] == [None] * 3 + [8] * 3 + [2] * 3 and f["rank_trace"][9] == 6
         assert [x["comm_bytes"] for x in f["recs"]][6:9] == [_psgd_bytes(shapes, 2)] * 3
-    assert torch.equal(res[0]["force"]["flat"], res[1]["force"]["flat"])  # replicas stay in sync
+        c = r["carry"]  # carry_q: the warm-start Q survives the change too, resized
+        assert c["changes"][5] == {"error_kept": True, "pq_cleared": False, "rank": 2, "q_carried": True}
+        assert c["changes"][8] == {"error_kept": True, "pq_cleared": False, "rank": 6, "q_carried": True}
+        assert c["rank_trace"] == f["rank_trace"] and [x["comm_bytes"] for x in c["recs"]] == [x["comm_bytes"] for x in f["recs"]]
+        assert not torch.equal(c["flat"], f["flat"])
+    for case in ("force", "carry"):
+        assert torch.equal(res[0][case]["flat"], res[1][case]["flat"])  # replicas stay in sync
 
 
 @pytest.mark.dist

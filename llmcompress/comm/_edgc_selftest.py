@@ -6,6 +6,7 @@ lot); every rank writes OUT/rank{r}.pt.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -53,6 +54,7 @@ def train(scheme: str, steps: int, *, rank: int, world: int, force: dict | None 
         if force and step in force:  # a forced rank change: error feedback must survive it
             ps = comp.psgd
             before = {k: v.clone() for k, v in ps.error_dict.items()}
+            old_r, old_q = ps.rank, {k: v.clone() for k, v in ps.q_memory_dict.items()}
             ps.force_rank(force[step])
             rec = comp.end_step()
             out["changes"][step] = {
@@ -61,6 +63,17 @@ def train(scheme: str, steps: int, *, rank: int, world: int, force: dict | None 
                 "pq_cleared": not ps.p_memory_dict and not ps.q_memory_dict,
                 "rank": ps.rank,
             }
+            if ps.carry_q:  # each matrix's new Q starts with its old Q's leading columns, sized for the new rank
+                kept = []
+                for idx, q in ps.q_memory_dict.items():
+                    new_s, old_s = ps._pq_slices(ps.layout[idx]), ps._pq_slices(ps.layout[idx], old_r)
+                    for name, (_, _, qo, qn) in new_s.items():
+                        if name not in old_s:  # compressed at the new rank only: drawn at random
+                            continue
+                        m, k = math.prod(ps.shapes[name][1:]), min(ps.rank, old_r)
+                        _, _, oqo, oqn = old_s[name]
+                        kept.append(torch.equal(q[qo : qo + qn].view(m, -1)[:, :k], old_q[idx][oqo : oqo + oqn].view(m, -1)[:, :k]))
+                out["changes"][step]["q_carried"] = bool(kept) and all(kept)
         else:
             rec = comp.end_step()
         out["recs"].append(rec)
@@ -90,6 +103,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, case: str) -> None:
         res["edgc"] = train("edgc", 3, **kw)
     if "force" in case:
         res["force"] = train("edgc", 12, force={5: 2, 8: 6}, **edgc, **kw)
+        res["carry"] = train("edgc", 12, force={5: 2, 8: 6}, carry_q=True, **edgc, **kw)
     if "resume" in case:
         res["full"] = train("edgc", 20, **edgc, **kw)
         half = train("edgc", 20, stop_at=11, **edgc, **kw)

@@ -28,7 +28,10 @@ changes `matrix_approximation_rank` between windows. What torch lacks and is wri
   same default (2, the least DDP allows: it rebuilds its buckets after iteration 1).
 * **Rank change** (`set_rank`): P/Q buffers are cleared (their size depends on the rank; torch would slice
   the old buffer into wrongly sized views), the error-feedback buffers are kept (the reference code loses
-  them by rebuilding its reducer).
+  them by rebuilding its reducer). A cleared Q means one cold step: torch re-draws Q at random, so that
+  step's approximation is one power iteration from noise instead of from last step's factors. `carry_q`
+  keeps the warm start instead: each matrix's Q is resized, its leading min(old, new) columns kept (new
+  columns random; torch orthogonalises Q before use either way).
 * **Layout-independent state**: error feedback and P/Q are kept per bucket index by torch; DDP rebuilds its
   buckets after the first iteration of every new DDP object, so after `--resume` the saved buckets do not
   match. `state_dict()` stores them per parameter and the hook reassembles them for whatever layout a
@@ -123,13 +126,13 @@ class EDGCState(psgd.PowerSGDState):
     __slots__ = [
         "adapt", "r_min", "r_max", "window", "sample_every", "sample_fraction", "entropy_span", "max_step",
         "names", "shapes", "layout", "pool", "h_ref", "win", "step_h", "rank_trace", "entropy_trace",
-        "monitor_s", "forced", "changes",
+        "monitor_s", "forced", "changes", "carry_q",
     ]
 
     def __init__(self, process_group=None, *, rank: int = 8, r_min: int = 2, r_max: int = 32, adapt: bool = True,
                  start_iter: int = 2, window: int = 10, sample_every: int = 2, sample_fraction: float = 0.01,
                  entropy_span: float = ENTROPY_SPAN, max_step: int = 4, min_compression_rate: float = 2.0, seed: int = 0,
-                 names: dict | None = None):
+                 carry_q: bool = False, names: dict | None = None):
         if start_iter < 2:
             raise ValueError("start_iter must be >= 2 (DDP rebuilds its buckets after iteration 1)")
         if adapt and not 1 <= r_min <= r_max:
@@ -139,7 +142,7 @@ class EDGCState(psgd.PowerSGDState):
                          orthogonalization_epsilon=1e-8, random_seed=seed, compression_stats_logging_frequency=10**9)
         self.adapt, self.r_min, self.r_max = adapt, r_min, r_max
         self.window, self.sample_every, self.sample_fraction = window, sample_every, sample_fraction
-        self.entropy_span, self.max_step = entropy_span, max_step
+        self.entropy_span, self.max_step, self.carry_q = entropy_span, max_step, carry_q
         self.names = names or {}  # id(param) -> name
         self.shapes: dict[str, tuple] = {}
         self.layout: dict[int, list[str]] = {}  # bucket index -> parameter names, in the bucket's order
@@ -162,15 +165,45 @@ class EDGCState(psgd.PowerSGDState):
         return self.iter >= self.start_powerSGD_iter
 
     def set_rank(self, r: int) -> None:
-        """Change the rank: P/Q buffers are dropped (re-drawn at the next step), error feedback is kept."""
+        """Change the rank: the rank-sized P/Q buffers are dropped (re-drawn at the next step), error feedback is
+        kept. With `carry_q`, each matrix's warm-start Q keeps its leading min(old, new) columns instead (new
+        columns random), in buffers of the new size."""
         if int(r) == self.rank:
             return
+        carried = self._carry_q(int(r)) if self.carry_q else {}
         self.matrix_approximation_rank = int(r)
         self.p_memory_dict.clear()
         self.q_memory_dict.clear()
+        for idx, (p, q) in carried.items():
+            self.p_memory_dict[idx], self.q_memory_dict[idx] = p, q
         for v in self.pool.values():
             for k in ("p", "q", "rank"):
                 v.pop(k, None)
+
+    def _carry_q(self, new: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """bucket index -> (P, Q) buffers sized for rank `new`, Q's columns carried over from the current rank.
+
+        The new columns are drawn from the state's RNG, which every replica advances alike (as torch's own draw)."""
+        out = {}
+        for idx, names in self.layout.items():
+            p, q = self.p_memory_dict.get(idx), self.q_memory_dict.get(idx)
+            old_s, new_s = self._pq_slices(names), self._pq_slices(names, new)
+            if p is None or q is None or not new_s:
+                continue
+            gen = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
+            q_new = torch.empty(sum(s[3] for s in new_s.values()), dtype=q.dtype)
+            for name, (_, _, qo, qn) in new_s.items():
+                shape = self.shapes[name]
+                n, m = shape[0], math.prod(shape[1:])
+                block = torch.randn(m, min(n, m, new), generator=gen, dtype=q.dtype)
+                if name in old_s:
+                    _, _, oqo, oqn = old_s[name]
+                    prev = q[oqo : oqo + oqn].detach().cpu().view(m, oqn // m)
+                    k = min(prev.shape[1], block.shape[1])
+                    block[:, :k] = prev[:, :k]
+                q_new[qo : qo + qn] = block.reshape(-1)
+            out[idx] = (torch.zeros(sum(s[1] for s in new_s.values()), dtype=p.dtype, device=p.device), q_new.to(q.device))
+        return out
 
     def force_rank(self, r: int) -> None:
         """Switch to rank `r` at the next `end_step` (tests, experiments); every rank must call it."""
@@ -178,17 +211,19 @@ class EDGCState(psgd.PowerSGDState):
 
     # ---- per-parameter view of torch's per-bucket state (resume, bucket rebuilds)
 
-    def _pq_slices(self, names: list[str]) -> dict[str, tuple[int, int, int, int]]:
-        """name -> (P offset, P length, Q offset, Q length) in torch's layout (compressed tensors grouped by shape)."""
+    def _pq_slices(self, names: list[str], rank: int | None = None) -> dict[str, tuple[int, int, int, int]]:
+        """name -> (P offset, P length, Q offset, Q length) in torch's layout (compressed tensors grouped by shape)
+        at `rank` (default: the current one)."""
+        rank = self.rank if rank is None else rank
         groups: dict[tuple, list[str]] = defaultdict(list)
         for name in names:
             shape = self.shapes[name]
             n, m = shape[0], math.prod(shape[1:])
-            if len(shape) > 1 and psgd._should_compress(n, m, min(n, m, self.rank), self.min_compression_rate)[0]:
+            if len(shape) > 1 and psgd._should_compress(n, m, min(n, m, rank), self.min_compression_rate)[0]:
                 groups[(n, m)].append(name)
         out, po, qo = {}, 0, 0
         for (n, m), members in groups.items():
-            r = min(n, m, self.rank)
+            r = min(n, m, rank)
             for name in members:
                 out[name] = (po, n * r, qo, m * r)
                 po, qo = po + n * r, qo + m * r
@@ -391,11 +426,12 @@ class GradCompression:
         rank: PowerSGD's fixed rank (`powersgd`); r_min / r_max: EDGC's range (it starts at r_max).
         start_iter: dense all-reduce steps before compression starts (>= 2; the same for powersgd and edgc).
         window / sample_every / sample_fraction / entropy_span / max_step: EDGC's monitor (see the module doc).
+        carry_q: on a rank change keep the warm-start Q's leading columns instead of re-drawing it (see `set_rank`).
     """
 
     def __init__(self, scheme: str, model, *, rank: int = 8, r_min: int = 2, r_max: int = 32, start_iter: int = WARMUP,
                  window: int = 10, sample_every: int = 2, sample_fraction: float = 0.01, entropy_span: float = ENTROPY_SPAN,
-                 max_step: int = 4, min_rate: float = 2.0, seed: int = 0):
+                 max_step: int = 4, min_rate: float = 2.0, seed: int = 0, carry_q: bool = False):
         if scheme not in SCHEMES:
             raise ValueError(f"unknown gradient compression {scheme!r}; one of {', '.join(SCHEMES)}")
         self.scheme = scheme
@@ -414,7 +450,7 @@ class GradCompression:
             self.psgd = EDGCState(rank=rank, r_min=r_min, r_max=r_max, adapt=scheme == "edgc", start_iter=start_iter,
                                   window=window, sample_every=sample_every, sample_fraction=sample_fraction,
                                   entropy_span=entropy_span, max_step=max_step, min_compression_rate=min_rate, seed=seed,
-                                  names=names)
+                                  carry_q=carry_q, names=names)
         elif scheme == "zip":
             from llmcompress.comm.collectives import Strategy
 
