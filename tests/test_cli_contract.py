@@ -68,14 +68,16 @@ def test_collapse_forwards_its_options(engine, tiny_hf_dir, tmp_path):
 
     calls = _collapse(engine)
     invoke("collapse", tiny_hf_dir, "--target-layers", 3, "--method", "shortgpt", "--seed", 5, "--calib-data", "notes.txt",
-           "--eval-tokens", 0, "--max-cache-gb", 0.5, "--out", tmp_path / "o", "--overwrite", "--device", "cpu")
+           "--eval-tokens", 0, "--max-cache-gb", 0.5, "--out", tmp_path / "o", "--overwrite", "--device", "cpu",
+           "--max-memory", "500MB")
     (call,) = calls
     assert changed(call.cfg, CollapseConfig()) == {
         "model": str(tiny_hf_dir), "method": "shortgpt", "pareto": False, "target_layers": 3, "seed": 5,
         "calib_source": "notes.txt", "eval_tokens": 0, "max_cache_gb": 0.5,
     }
     assert type(call.cfg.method) is str  # the config holds the value, not the CLI's Enum member
-    assert call.out == tmp_path / "o" and call.kwargs == {"overwrite": True, "resume": False, "device": "cpu", "dtype": torch.float32}
+    assert call.out == tmp_path / "o" and call.kwargs == {"overwrite": True, "resume": False, "device": "cpu", "dtype": torch.float32,
+                                                        "max_memory": 500 * 10**6}
 
 
 def test_collapse_spec_supplies_what_the_command_line_does_not_give(engine, tiny_hf_dir, tmp_path):
