@@ -66,7 +66,7 @@ def train(scheme: str, steps: int, *, rank: int, world: int, force: dict | None 
             if ps.carry_q:  # each matrix's new Q starts with its old Q's leading columns, sized for the new rank
                 kept = []
                 for idx, q in ps.q_memory_dict.items():
-                    new_s, old_s = ps._pq_slices(ps.layout[idx]), ps._pq_slices(ps.layout[idx], old_r)
+                    new_s, old_s = ps.pq_slices(ps.layout[idx]), ps.pq_slices(ps.layout[idx], old_r)
                     for name, (_, _, qo, qn) in new_s.items():
                         if name not in old_s:  # compressed at the new rank only: drawn at random
                             continue

@@ -187,7 +187,7 @@ class EDGCState(psgd.PowerSGDState):
         out = {}
         for idx, names in self.layout.items():
             p, q = self.p_memory_dict.get(idx), self.q_memory_dict.get(idx)
-            old_s, new_s = self._pq_slices(names), self._pq_slices(names, new)
+            old_s, new_s = self.pq_slices(names), self.pq_slices(names, new)
             if p is None or q is None or not new_s:
                 continue
             gen = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
@@ -211,7 +211,7 @@ class EDGCState(psgd.PowerSGDState):
 
     # ---- per-parameter view of torch's per-bucket state (resume, bucket rebuilds)
 
-    def _pq_slices(self, names: list[str], rank: int | None = None) -> dict[str, tuple[int, int, int, int]]:
+    def pq_slices(self, names: list[str], rank: int | None = None) -> dict[str, tuple[int, int, int, int]]:
         """name -> (P offset, P length, Q offset, Q length) in torch's layout (compressed tensors grouped by shape)
         at `rank` (default: the current one)."""
         rank = self.rank if rank is None else rank
@@ -242,7 +242,7 @@ class EDGCState(psgd.PowerSGDState):
                 pool.setdefault(name, {})["e"] = err[off : off + n].detach().cpu().clone()
             off += n
         if p is not None and q is not None:
-            for name, (po, pn, qo, qn) in self._pq_slices(names).items():
+            for name, (po, pn, qo, qn) in self.pq_slices(names).items():
                 d = pool.setdefault(name, {})
                 d["p"], d["q"], d["rank"] = p[po : po + pn].cpu().clone(), q[qo : qo + qn].cpu().clone(), self.rank
 
@@ -250,7 +250,7 @@ class EDGCState(psgd.PowerSGDState):
         names = self.layout[idx]
         if all("e" in self.pool.get(n, {}) for n in names):
             self.error_dict[idx] = torch.cat([self.pool[n].pop("e").reshape(-1) for n in names]).to(buf.device, buf.dtype)
-        slices = self._pq_slices(names)
+        slices = self.pq_slices(names)
         if slices and all(self.pool.get(n, {}).get("rank") == self.rank and "p" in self.pool[n] for n in slices):
             p = torch.empty(sum(s[1] for s in slices.values()), dtype=buf.dtype)
             q = torch.empty(sum(s[3] for s in slices.values()), dtype=buf.dtype)
