@@ -304,7 +304,7 @@ def goal_table(judged: list[dict], post_hoc: set[str], tuning_seed: int | None =
     def label(arm: str, seed: int | None) -> str:
         if arm not in post_hoc:
             return arm
-        return f"{arm} ({'tuned on this seed' if seed == tuning_seed else 'held out'})" if seed is not None else f"{arm} (held-out seeds)"
+        return f"{arm} ({'tuning run' if seed == tuning_seed else 'held out'})" if seed is not None else f"{arm} (held-out seeds)"
 
     lines = ["| seed | arm | final loss vs plain (<= +1%) | matrix bytes vs plain (>= 10x) | whole-model bytes | "
              "vs the cheapest fixed rank within 1% of plain's loss (>= 30% fewer) | monitor share (<= 3%) | mean rank | zip bit-identical |",
@@ -329,7 +329,8 @@ def goal_table(judged: list[dict], post_hoc: set[str], tuning_seed: int | None =
     return lines
 
 
-def plot(per_seed: dict[int, dict], path: Path) -> None:
+def plot(per_seed: dict[int, dict], path: Path, skip: set[str] = frozenset()) -> None:
+    """Loss over cumulative bytes and EDGC's rank/entropy traces per seed (arms in `skip` left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -339,7 +340,7 @@ def plot(per_seed: dict[int, dict], path: Path) -> None:
     fig, axes = plt.subplots(len(seeds), 2, figsize=(12, 3.4 * len(seeds)), squeeze=False)
     for (a, b), seed in zip(axes, seeds):
         results = per_seed[seed]
-        for arm in arm_order(results):
+        for arm in [x for x in arm_order(results) if x not in skip]:
             res = results[arm]
             cum, xs = 0, []
             for r in res["recs"]:
@@ -353,7 +354,7 @@ def plot(per_seed: dict[int, dict], path: Path) -> None:
         a.set_ylabel(f"seed {seed}: training loss (10-step mean)")
         a.legend(fontsize=7)
         b2 = b.twinx()
-        for arm in [x for x in arm_order(results) if x.startswith("edgc")]:
+        for arm in [x for x in arm_order(results) if x.startswith("edgc") and x not in skip]:
             rt, et = results[arm]["rank_trace"], results[arm]["entropy_trace"]
             xs = [i for i, r in enumerate(rt) if r is not None]
             b.step(xs, [rt[i] for i in xs], where="post", label=f"{arm} rank")
@@ -470,7 +471,7 @@ def main() -> None:
                        for k, v in res.items()} for s, res in per_seed.items()}
     write_text(out / "RESULTS-edgc.json", json.dumps({"args": base, "seeds": seeds, "analyses": analyses, "goals": judged,
                                                                "post_hoc": sorted(post_hoc), "traces": traces}, indent=1))
-    plot(per_seed, out / "RESULTS-edgc-trace.png")
+    plot(per_seed, out / "RESULTS-edgc-trace.png", skip=post_hoc if len(seeds) > 1 else set())  # the tuning runs: in the tables
 
 
 if __name__ == "__main__":
