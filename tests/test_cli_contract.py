@@ -95,11 +95,11 @@ def test_nas_forwards_its_options(engine, tiny_hf_dir, tmp_path):
 
     calls = _nas(engine)
     invoke("nas", tiny_hf_dir, "--target-bits", 4, "--cost-model", "lut", "--quant", "rtn", "--mode", "sequential",
-           "--bits", "4,8", "--baselines", "", "--export", "gguf", "--train-tokens", 2048, "--out", tmp_path / "o", "--resume", "--device", "cpu")
+           "--bits", "4,8", "--head-bits", "8,16", "--baselines", "", "--export", "gguf", "--train-tokens", 2048, "--out", tmp_path / "o", "--resume", "--device", "cpu")
     (call,) = calls
     assert changed(call.cfg, NasConfig()) == {
         "model": str(tiny_hf_dir), "target_bits": 4.0, "cost_model": "lut", "quant_method": "rtn", "mode": "sequential",
-        "bits": [4, 8], "baselines": [], "export": ["gguf"], "train_tokens": 2048,
+        "bits": [4, 8], "head_bits": [8, 16], "baselines": [], "export": ["gguf"], "train_tokens": 2048,
     }
     assert {type(call.cfg.cost_model), type(call.cfg.quant_method), type(call.cfg.mode)} == {str}
     assert call.kwargs == {"overwrite": False, "resume": True, "device": "cpu", "dtype": torch.float32}
