@@ -247,14 +247,8 @@ def test_shipped_model_computes_what_the_supernet_scored():
     arch = _some_arch(space)
     bank = build_bank(model, space, "gptq", IDS, act_order=True, progress=False)
     net = Supernet(model, space, bank)
-    net.fix(arch, {"keep", "width", "bits"})
-    net.sample(1.0)
-    net.install()
-    try:
-        with net.student(), torch.no_grad():
-            searched = model(input_ids=IDS[:2], use_cache=False).logits
-    finally:
-        net.remove()
+    with net.pinned(arch), torch.no_grad():
+        searched = model(input_ids=IDS[:2], use_cache=False).logits
     derived = E.derive_model(model, space, arch)
     E.apply_bank(derived, space, arch, bank)
     torch.testing.assert_close(logits(derived), searched, rtol=1e-5, atol=1e-5)

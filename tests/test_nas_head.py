@@ -84,14 +84,8 @@ def test_a_latency_target_below_the_float_head_floor_picks_a_quantized_head(tmp_
     assert torch.equal(derived.get_input_embeddings().weight, want) and "lm_head" in qw
     assert E.plan_of(space, res.arch).config_for("lm_head").bits == space.head_bits[res.arch.head]
     net = Supernet(model, space, bank)
-    net.fix(res.arch, {"keep", "width", "bits", "head"})
-    net.sample(1.0)
-    net.install()
-    try:
-        with net.student(), torch.no_grad():
-            searched = model(input_ids=IDS[:2], use_cache=False).logits
-    finally:
-        net.remove()
+    with net.pinned(res.arch), torch.no_grad():
+        searched = model(input_ids=IDS[:2], use_cache=False).logits
     with torch.no_grad():
         torch.testing.assert_close(derived(input_ids=IDS[:2], use_cache=False).logits, searched, rtol=1e-5, atol=1e-5)
         assert not torch.equal(model(input_ids=IDS[:2], use_cache=False).logits, searched)  # the teacher is restored
@@ -125,3 +119,25 @@ def test_quantized_head_is_shipped_in_gguf_and_compressed_tensors(tmp_path, tiny
     w = PackedQuantizationCompressor.decompress(sd, scheme)["weight"].float()
     assert torch.equal(w, bank.dequant(HEAD, 0, 0)) and torch.equal(tensors["model.embed_tokens.weight"].float(), w)
     assert derived.get_output_embeddings().weight is derived.get_input_embeddings().weight  # the model itself stays tied
+
+
+def test_validated_step_scores_the_architectures_head(tiny):
+    """refine.arch_kl (the validated step's score) computes the head at the architecture's bits, as the export
+    ships it, whatever the supernet's head logits are (before, the head stayed a Gumbel sample of its logits)."""
+    from llmcompress.nas.refine import arch_kl
+    from llmcompress.nas.sensitivity import mean_kl, reference_logp
+
+    model, _, space, _, bank = tiny
+    blocks = IDS[:4]
+    ref = reference_logp(model, blocks)
+    net = Supernet(model, space, bank)  # head logits uniform and learnable: a sample would be a random mix
+    kls = []
+    for h in range(len(space.head_bits)):
+        arch = Arch.dense(space, 1).copy_with_head(h)  # linears at 8 bits, the head at each width
+        got = arch_kl(model, net, arch, blocks, ref)
+        derived = E.derive_model(model, space, arch)
+        E.apply_bank(derived, space, arch, bank)
+        assert got == pytest.approx(mean_kl(derived, blocks, ref), rel=1e-4, abs=1e-7)
+        kls.append(got)
+    assert kls[0] > kls[-1]  # a 4-bit head costs KL that a float head does not
+    assert "head" in net.learn  # and the supernet is restored

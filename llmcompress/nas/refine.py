@@ -66,18 +66,9 @@ def mutate(space: SearchSpace, arch: Arch, costs, targets: dict[str, float], rng
 
 
 def arch_kl(model, net: Supernet, arch: Arch, blocks: torch.Tensor, ref: list[torch.Tensor], batch: int = 2) -> float:
-    """Mean per-token KL(teacher || `arch` with the bank's weights) on `blocks`; `net` is restored."""
-    saved, learn = net.logits(), set(net.learn)
-    net.fix(arch, {"keep", "width", "bits"})
-    net.sample(1.0)  # nothing is learned: the one-hot logits' softmax, exact to e^-60
-    net.install()
-    try:
-        with net.student():
-            return mean_kl(model, blocks, ref, batch)
-    finally:
-        net.remove()
-        net.init_from(saved)
-        net.learn = learn
+    """Mean per-token KL(teacher || `arch` with the bank's weights, the head included) on `blocks`; `net` is restored."""
+    with net.pinned(arch):
+        return mean_kl(model, blocks, ref, batch)
 
 
 @dataclass

@@ -224,3 +224,20 @@ class Supernet(nn.Module):
             yield
         finally:
             self.active = False
+
+    @contextmanager
+    def pinned(self, arch: Arch):
+        """The model computes exactly `arch` with the bank's weights (every group pinned: keep, width, bits and,
+        when searched, the head; one-hot, exact to e^-60), i.e. what the export ships; logits, learned groups
+        and the model's own weights are restored on exit."""
+        saved, learn = self.logits(), set(self.learn)
+        self.fix(arch, set(self.groups))
+        self.sample(1.0)
+        self.install()
+        try:
+            with self.student():
+                yield
+        finally:
+            self.remove()
+            self.init_from(saved)
+            self.learn = learn
