@@ -224,7 +224,8 @@ def default_main(args) -> None:
     rows = []
     for n in args.budgets:
         for method in args.methods:
-            cfg = CollapseConfig(pareto=False, target_layers=n, method=method, save=str(n), eval_tokens=0, piqa_limit=0)
+            # --front: the NSGA-II search over every layer count, then the walk and tuning at n only
+            cfg = CollapseConfig(pareto=args.front, target_layers=n, method=method, save=str(n), eval_tokens=0, piqa_limit=0)
             with tempfile.TemporaryDirectory() as d:
                 t0 = time.perf_counter()
                 res = run_collapse(cfg, Path(d) / "run", lm=lm)
@@ -242,7 +243,8 @@ def default_main(args) -> None:
              f"walk {d.refine_steps}/{d.refine_screen_blocks}/{d.refine_top}, {d.tune_steps} tuning steps, fitness_dtype {d.fitness_dtype}); "
              f"ShortGPT from the gelaco run's baselines. Perplexity: first {args.ppl_tokens} tokens of WikiText-2 test and "
              f"{args.shakespeare_tokens} of tinyshakespeare valid, seq-len 512. {os.cpu_count()} CPU cores, load average {load0:.1f} at start "
-             f"(shared machine); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
+             f"(shared machine); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Search: "
+             + ("NSGA-II over every layer count (`--front`), then the walk and tuning at N." if args.front else "single budget (GA at N).") , "",
              f"Dense: {dense[0]:.2f} / {dense[1]:.2f}.", "",
              "| method | layers | WikiText-2 ppl | tinyshakespeare ppl | KL val | wall s | evals/s | changes |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     lines += [f"| {m} | {n} | {w:.2f} | {t:.2f} | {kv:.3f} | {s:.0f} | {e:.3f} | {c} |" for m, n, w, t, kv, s, e, c in rows]
@@ -273,6 +275,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["drop-search", "gelaco"], choices=["drop-search", "gelaco"],
                     help="--default-command: the searches to run (ShortGPT comes with gelaco's baselines)")
     ap.add_argument("--default-out", type=Path, default=Path("bench/RESULTS-collapse-default.md"))
+    ap.add_argument("--front", action="store_true", help="--default-command: search the whole front (NSGA-II), then walk and tune at each budget")
     args = ap.parse_args()
     if args.default_command:
         return default_main(args)
