@@ -15,13 +15,14 @@ it; the logits are upcast to fp32 for log-sum-exp and softmax, as HF's loss does
 is accumulated over chunks in fp32. So the loss and gradients equal `model(..., labels=).loss`'s up to the
 rounding of the low-precision matmuls (bf16: ~1e-2 relative per gradient entry; fp32: ~1e-6).
 
-Why not torch's `F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())` (torch 2.13, the chunked
-path this module used before): on CPU it has no bf16 matmul with fp32 output (`mm(out_dtype=)` is CUDA only),
-so it either runs every head matmul in fp32 (fp32 input, or bf16 input under its CPU default
-acc_policy="accurate", which upcasts) or accumulates in bf16; it returns the loss in the input dtype; and it
-forms dL/dW even for a frozen head. Measured on smollm2's head at 4 × 512 tokens, one thread: its fp32 path
-10.5-15 s for forward + backward and its bf16-input path 9.3 s, against about 2.9 s for the stock bf16 head and
-loss (bench/RESULTS-actcomp.md has the training-step figures). `impl="torch"` still selects it (fp32).
+Why not torch's `F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())` (torch 2.13; this module's
+previous path): on CPU there is no bf16 matmul with fp32 output (`mm(out_dtype=)` is CUDA-only), so with fp32
+inputs every head matmul runs in fp32 (the stock head runs them in bf16); with bf16 inputs (its CPU
+default acc_policy="accurate") it is hardly faster and returns the loss in bf16, accumulated so that at 2,044
+rows it came out 10.44 against 10.94 for F.cross_entropy on the same bf16 logits. Head + loss forward +
+backward for smollm2 (V = 49,152, d = 576) at 2,044 tokens, one thread, unlocked at load ~5: its fp32 path
+10.5-15 s, its bf16 path 9.3 s, the stock bf16 head + HF loss 2.9-4.5 s, this Function 2.3-2.9 s (the
+training-step figures are in bench/RESULTS-actcomp.md). `impl="torch"` still selects torch's path (fp32).
 
 `causal_lm_loss(model, input_ids)` is the HF `model(..., labels=).loss` computed this way.
 
