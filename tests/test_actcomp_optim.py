@@ -132,64 +132,108 @@ def test_a_factored_weight_outside_the_optimizer_is_an_error():
             fs.step()
 
 
+def _head_case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(2, 37, 16, generator=g)
+    w, b = torch.randn(300, 16, generator=g) / 2, torch.randn(300, generator=g)
+    t = torch.randint(0, 300, (2, 37), generator=g)
+    t[0, :5] = -100  # ignored rows
+    return h, w, b, t
+
+
+def _stock_and_chunked(h, w, b, t, train_head, autocast, **kw):
+    """(loss, grads) of the stock head + F.cross_entropy (logits upcast to fp32, as HF's loss) and of
+    chunked_cross_entropy, both under bf16 autocast or neither; the loss is scaled by 3 before backward."""
+    out = []
+    for chunked in (False, True):
+        args = [x.clone().requires_grad_(train_head or x is h) for x in (h, w, b)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if chunked:
+                loss = chunked_cross_entropy(args[0], args[1], t, bias=args[2], **kw)
+            else:
+                logits = F.linear(args[0], args[1], args[2]).float()
+                loss = F.cross_entropy(logits.reshape(-1, 300), t.reshape(-1), ignore_index=-100)
+        (loss * 3).backward()
+        out.append((loss, [a.grad for a in args]))
+    return out
+
+
 @pytest.mark.parametrize("impl", ["torch", "chunked"])
 @pytest.mark.parametrize("train_head", [True, False])
 def test_chunked_cross_entropy_equals_cross_entropy_in_loss_and_gradients(impl, train_head):
     if impl == "torch" and not hasattr(F, "linear_cross_entropy"):
         pytest.skip("this torch has no F.linear_cross_entropy")
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(2, 37, 16, generator=g)
-    w, b = torch.randn(300, 16, generator=g) / 2, torch.randn(300, generator=g)
-    t = torch.randint(0, 300, (2, 37), generator=g)
-    t[0, :5] = -100  # ignored rows
-    args = [x.clone().requires_grad_(train_head or x is h) for x in (h, w, b)]
-    ref = F.cross_entropy(F.linear(args[0], args[1], args[2]).reshape(-1, 300), t.reshape(-1), ignore_index=-100)
-    (ref * 3).backward()
-    got_args = [x.clone().requires_grad_(train_head or x is h) for x in (h, w, b)]
-    got = chunked_cross_entropy(got_args[0], got_args[1], t, bias=got_args[2], impl=impl)
-    (got * 3).backward()
-    assert got.item() == pytest.approx(ref.item(), rel=1e-5)
-    for a, c in zip(args, got_args):
-        if a.requires_grad:
-            assert (a.grad - c.grad).abs().max() <= 1e-5 * (1 + a.grad.abs().max())
+    (ref, ref_g), (got, got_g) = _stock_and_chunked(*_head_case(), train_head, autocast=False, impl=impl, chunk_rows=8)
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(ref.item(), rel=1e-5)
+    for a, c in zip(ref_g, got_g):
+        if a is not None:
+            assert (a - c).abs().max() <= 1e-5 * (1 + a.abs().max())
         else:
-            assert c.grad is None
+            assert c is None
 
 
-def test_the_chunked_function_never_makes_a_tokens_by_vocabulary_tensor():
+@pytest.mark.parametrize("train_head", [True, False])
+def test_chunked_cross_entropy_under_bf16_autocast_is_the_stock_bf16_head_and_loss(train_head):
+    """Under autocast the head matmuls run in bf16 like the stock head's: the loss agrees with the stock
+    path's (same bf16 logits) far closer than with the fp32 loss; the gradients to bf16 rounding (measured
+    0.2-0.6% of the largest entry, as far as either is from the fp32 gradients; bound 2%)."""
+    case = _head_case(1)
+    (ref, ref_g), (got, got_g) = _stock_and_chunked(*case, train_head, autocast=True, chunk_rows=8)
+    (f32, f32_g), _ = _stock_and_chunked(*case, train_head, autocast=False)
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(ref.item(), rel=1e-4)
+    assert abs(ref.item() - f32.item()) > 10 * abs(got.item() - ref.item())  # bf16 logits, as the stock head's
+    for a, c, e in zip(ref_g, got_g, f32_g):
+        if a is None:
+            assert c is None
+            continue
+        assert c.dtype == torch.float32
+        assert (a - c).abs().max() <= 2e-2 * a.abs().max()
+        assert (a - e).abs().max() > 1e-3 * a.abs().max()  # the control: bf16 rounding is visible at all
+
+
+def test_the_chunked_function_never_makes_a_tokens_by_vocabulary_tensor_and_multiplies_in_bf16():
     n, d, v = 256, 16, 512
     h, w = torch.randn(n, d, requires_grad=True), torch.randn(v, d, requires_grad=True)
     t = torch.randint(0, v, (n,))
-    biggest = []
+    biggest, mm_dtypes = [], set()
 
     class Sizes(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.out):
+                mm_dtypes.update(a.dtype for a in args if isinstance(a, torch.Tensor))
             for o in out if isinstance(out, (tuple, list)) else [out]:
                 if isinstance(o, torch.Tensor):
                     biggest.append(o.numel())
             return out
 
-    with Sizes():
-        chunked_cross_entropy(h, w, t, impl="chunked").backward()
-    assert max(biggest) < n * v // 4  # chunks of n / ceil(v / d) rows: 8 x 512 logits at a time
+    with Sizes(), torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked_cross_entropy(h, w, t, chunk_rows=32).backward()
+    assert max(biggest) <= 32 * v and mm_dtypes == {torch.bfloat16}
+    biggest.clear()
     with Sizes():
         F.cross_entropy(F.linear(h, w), t).backward()
     assert max(biggest) >= n * v  # the control: the stock path does make one
 
 
-def test_causal_lm_loss_is_the_models_loss_and_gradient():
+@pytest.mark.parametrize("autocast", [False, True])
+def test_causal_lm_loss_is_the_models_loss_and_gradient(autocast):
     model = tiny_model("llama", layers=2).train()
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-    ref = model(input_ids=ids, labels=ids).loss
+    labels = ids.clone()
+    labels[1, 10:] = -100  # padding: ignored, after the shift by one
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ref = model(input_ids=ids, labels=labels).loss
     ref.backward()
     ref_g = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    got = causal_lm_loss(model, ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got = causal_lm_loss(model, ids, labels)
     got.backward()
-    assert got.item() == pytest.approx(ref.item(), rel=1e-5)
+    tol = 2e-2 if autocast else 1e-4  # bf16: the head's matmuls in bf16 in both, rows in other blocks
+    assert got.item() == pytest.approx(ref.item(), rel=tol / 10)
     for n, p in model.named_parameters():
-        assert (p.grad - ref_g[n]).abs().max() <= 1e-4 * (1 + ref_g[n].abs().max()), n
+        assert (p.grad - ref_g[n]).abs().max() <= tol * (1 + ref_g[n].abs().max()), n
 
 
 class _Casts(TorchDispatchMode):
