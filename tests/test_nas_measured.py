@@ -103,7 +103,7 @@ def test_table_cache_round_trip_and_key(tmp_path, monkeypatch):
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                    vocab_size=320, num_hidden_layers=2)
     key = M.table_key(cfg, "BF16", threads=2)
-    assert key["cores"] and key["llama_cpp"] and key["machine"] and key["threads"] == 2
+    assert key["cores"] and key["llama_cpp"] and key["machine"] and key["threads"] == 2 and "CPU" in key["build"]
     p = M.cache_path(key)
     assert p.parent == tmp_path / "latency"
     table = {"key": key, "costs": {"fixed@BF16": 1.0}}

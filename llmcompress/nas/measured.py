@@ -24,7 +24,7 @@ non-negative least squares (scipy.optimize.nnls when scipy is installed, else a 
 fallback in numpy) on the probes' counts of (type, shape) linears.
 
 The table is cached as JSON under `llmcompress.paths.cache_dir()/latency/`, keyed by the CPU model,
-core count, llama-cpp-python version, thread count, protocol and the model's shapes.
+core count, llama-cpp-python version and build features, thread count, protocol and the model's shapes.
 """
 
 from __future__ import annotations
@@ -247,10 +247,19 @@ def summarize(samples: list[float], stat: str = STAT) -> float:
     return min(samples) if stat == "min" else statistics.median(samples)
 
 
+def runtime_build() -> str:
+    """llama.cpp's build features (llama_print_system_info: SIMD, AMX, REPACK, OpenMP): two builds of one
+    llama-cpp-python version can run the same GGUF through different kernels, so tables are kept apart."""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+
+
 def table_key(cfg, ftype: str, threads: int, layers: int = PROBE_LAYERS, stat: str = STAT, repeats: int = REPEATS) -> dict:
     import llama_cpp
 
     return {"machine": cpu_model(), "cores": os.cpu_count(), "threads": threads, "llama_cpp": llama_cpp.__version__,
+            "build": runtime_build(),
             "shapes": sorted(set(model_shapes(cfg).values())), "vocab": int(cfg.vocab_size), "float": ftype,
             "tied": bool(getattr(cfg, "tie_word_embeddings", False)), "probe_layers": layers,
             "protocol": f"prompt {PROMPT}, decode {DECODE}, {stat} of {repeats} interleaved rounds", "version": VERSION}
