@@ -44,6 +44,8 @@ class ExportOptions:
     save_dtype: dtype of unquantized tensors (None = the source model's dtype).
     embed_bits: GGUF only: the token embedding and output matrix as 8 (Q8_0) | 4 (Q4_0) symmetric groups of
     32, or 16 (source dtype). None = 8 when any linear is quantized, else 16.
+    separate_output: GGUF only: a tied output matrix also written as its own `output.weight`, which llama.cpp
+    repacks for its fast CPU matmul (a tied `token_embd` is not repacked); costs a second copy.
     """
 
     bits: int = 4
@@ -56,6 +58,7 @@ class ExportOptions:
     calib_blocks: int | None = None
     seed: int = 0
     embed_bits: int | None = None
+    separate_output: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, to: str) -> None:
@@ -76,6 +79,8 @@ class ExportOptions:
             raise UserError(f"--embed-bits {self.embed_bits} is not supported", "use 4 (Q4_0), 8 (Q8_0) or 16 (no quantization)")
         if self.embed_bits is not None and to != "gguf":
             raise UserError("--embed-bits applies to --to gguf", "compressed-tensors keeps embeddings in the source dtype")
+        if self.separate_output and to != "gguf":
+            raise UserError("--separate-output applies to --to gguf", "compressed-tensors keeps the model's own tying")
         if self.plan is not None and not Path(self.plan).is_file():
             raise UserError(f"plan file {self.plan} not found", "pass the arch.json a `llmcompress nas` run wrote")
 
@@ -319,7 +324,8 @@ def export_loaded(lm, to: str, out: Path, opts: ExportOptions, *, overwrite: boo
 
         meta = {"source": lm.source, "quant": json.dumps({k: v for k, v in info.items() if k != "plan"}, default=str)}
         res = write_gguf(model, out, qweights=qweights, float_dtype=dtype, tokenizer=tok,
-                         name=Path(str(lm.source)).name, metadata=meta, overwrite=overwrite)
+                         name=Path(str(lm.source)).name, metadata=meta, overwrite=overwrite,
+                         separate_output=opts.separate_output)
     else:
         from llmcompress.export.compressed_tensors import write_compressed_tensors
 
