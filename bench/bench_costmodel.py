@@ -201,7 +201,7 @@ def main() -> None:
              f"{os.environ.get('OMP_WAIT_POLICY', '')}. Decode: prompt {M.PROMPT}, then {M.DECODE} tokens one at a time, "
              f"{args.stat} of {args.repeats} interleaved rounds (median in brackets); timed {t_timing}, load average {load_before} -> {load_after}.",
              f"Latency table (measured model): {len(table['probes'])} probe GGUFs of {table['key']['probe_layers']} and "
-             f"{2 * table['key']['probe_layers']} layers, timed {table['measured_at']} at load {table['load_average']}, "
+             f"{max(1, table['key']['probe_layers'] // 2)} layers (version {table['key']['version']}), timed {table['measured_at']} at load {table['load_average']}, "
              f"fit error on the probes {table['fit_mape']:.1%}. analytic and lut are relative to dense; scaled by the "
              "measured time of uniform-BF16.", "",
              "| config | layers | MB | measured ms/token | measured model | analytic | lut |", "|---|---:|---:|---:|---:|---:|---:|"]
