@@ -18,7 +18,8 @@ as the model has --, its vocabulary, random weights quantized by RTN, written by
 linears in that type, one per uniform type and one with a float output matrix. Probes as deep as the
 model matter: with 4-layer probes (version 1) the weights stayed in cache, every probe decoded in ~2 ms
 whatever its types, and the table underestimated full-depth decode by 14-39%, most for the widest types
-(smollm2-135m, 2026-12-06: MAPE 26%, Spearman 0.73), since a full model streams its weights from memory. Each is run in llama-cpp-python (`n_threads` = cores,
+(smollm2-135m, 2026-12-06: MAPE 26%, Spearman 0.73), since a full model streams its weights from memory;
+full-depth probes: MAPE 3.6%, Spearman 0.94 on the same 15 exports (bench/bench_costmodel.py). Each is run in llama-cpp-python (`n_threads` = cores,
 `OMP_WAIT_POLICY=PASSIVE` unless set): a short prompt, then tokens decoded one at a time; the runs are
 interleaved across probes (round r times every probe once, in a rotated order), so drifting load hits all
 alike, and each probe's time is the fastest of `repeats` (7) rounds after a warm-up round (`stat`; on a
