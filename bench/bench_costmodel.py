@@ -1,6 +1,6 @@
 """Cost models of `nas` against decode time measured in llama.cpp, on GGUF exports of smollm2-135m (issue 18).
 
-    python bench/bench_costmodel.py [--work runs/bench-costmodel] [--threads 2] [--repeats 5] [--only NAME,...]
+    python bench/bench_costmodel.py [--work runs/bench-costmodel] [--threads 2] [--repeats 5] [--only NAME,...] [--export-only]
 
 Exports 15 configurations (uniform Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/BF16; mixes per linear kind; a per-layer mix;
 fewer layers by dropping the last layers but the final one, as `collapse` drops them), RTN-quantized
@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--stat", default="min", choices=["min", "median"], help="of the rounds (table and files alike)")
     ap.add_argument("--only", default="")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS-costmodel.md")
+    ap.add_argument("--export-only", action="store_true", help="write the GGUFs and stop (run it niced, outside the timing lock)")
     ap.add_argument("--nas", default="", help="a `nas --cost-model measured --export gguf` run dir to quote (its arch.json)")
     args = ap.parse_args()
     import torch
@@ -145,6 +146,13 @@ def main() -> None:
     names = [n for n in CONFIGS if not args.only or n in args.only.split(",")]
     t0 = time.time()
     lm = load_model("smollm2-135m")
+    if args.export_only:
+        for n in names:
+            if n not in res or not (args.work / f"{n}.gguf").is_file():
+                res[n] = export(lm, n, args.work / f"{n}.gguf")
+                res_path.write_text(json.dumps(res, indent=2))
+                print(f"exported {n}: {res[n]['bytes'] / 1e6:.1f} MB", flush=True)
+        return
     args.repeats = args.repeats or M.REPEATS
     table = M.measure_table(lm.model.config, lm.tokenizer, ftype="BF16", threads=threads, repeats=args.repeats, stat=args.stat)
     print(f"latency table: {len(table['probes'])} probes, fit error {table['fit_mape']:.1%} ({table['measured_at']})", flush=True)
@@ -193,7 +201,7 @@ def main() -> None:
              f"{os.environ.get('OMP_WAIT_POLICY', '')}. Decode: prompt {M.PROMPT}, then {M.DECODE} tokens one at a time, "
              f"{args.stat} of {args.repeats} interleaved rounds (median in brackets); timed {t_timing}, load average {load_before} -> {load_after}.",
              f"Latency table (measured model): {len(table['probes'])} probe GGUFs of {table['key']['probe_layers']} and "
-             f"{2 * table['key']['probe_layers']} layers, timed {table['measured_at']} at load {table['load_average']}, "
+             f"{max(1, table['key']['probe_layers'] // 2)} layers (version {table['key']['version']}), timed {table['measured_at']} at load {table['load_average']}, "
              f"fit error on the probes {table['fit_mape']:.1%}. analytic and lut are relative to dense; scaled by the "
              "measured time of uniform-BF16.", "",
              "| config | layers | MB | measured ms/token | measured model | analytic | lut |", "|---|---:|---:|---:|---:|---:|---:|"]

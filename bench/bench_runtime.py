@@ -16,6 +16,8 @@ transformers dequantizes it), optionally on held-out tinyshakespeare (valid spli
     {rtn,gptq}4-asym-g64    4-bit asymmetric, groups of 64 (pairs of Q4_1 blocks with equal parameters)
     {rtn,gptq}4-sym-g32     4-bit symmetric, groups of 32 (Q4_0)
     rtn8-sym-g32            8-bit symmetric (Q8_0)  (gptq8-sym-g32 with --only)
+    rtn4-sym-g32-q4head     Q4_0 with a Q4_0 embedding written also as a separate output.weight (--only;
+                            `export --embed-bits 4 --separate-output`: llama.cpp repacks the output matmul)
     collapse22-{bf16,q8_0}  `collapse --method shortgpt --target-layers 22`, exported at 16 and 8 bits
 
 Files named like bench_export.py's are taken from `--gguf-from` (its --work folder) when there, else exported
@@ -58,12 +60,14 @@ CONFIGS = {
     "gptq4-asym-g64": ("GPTQ 4-bit asym g64 (Q4_1)", "model", dict(bits=4, quant="gptq", group_size=64, sym=False)),
     "rtn4-sym-g32": ("RTN 4-bit sym g32 (Q4_0)", "model", dict(bits=4, quant="rtn", group_size=32, sym=True)),
     "gptq4-sym-g32": ("GPTQ 4-bit sym g32 (Q4_0)", "model", dict(bits=4, quant="gptq", group_size=32, sym=True)),
+    "rtn4-sym-g32-q4head": ("RTN 4-bit sym g32 (Q4_0), embedding Q4_0 + separate output.weight Q4_0", "model",
+                            dict(bits=4, quant="rtn", group_size=32, sym=True, embed_bits=4, separate_output=True)),
     "rtn8-sym-g32": ("RTN 8-bit sym (Q8_0)", "model", dict(bits=8, quant="rtn", group_size=32, sym=True)),
     "gptq8-sym-g32": ("GPTQ 8-bit sym (Q8_0)", "model", dict(bits=8, quant="gptq", group_size=32, sym=True)),
     "collapse22-bf16": ("shortgpt 22 layers, bf16", "collapse", dict(bits=16)),
     "collapse22-q8_0": ("shortgpt 22 layers, RTN Q8_0", "collapse", dict(bits=8, quant="rtn", group_size=32, sym=True)),
 }
-DEFAULT = [n for n in CONFIGS if n != "gptq8-sym-g32"]
+DEFAULT = [n for n in CONFIGS if n not in ("gptq8-sym-g32", "rtn4-sym-g32-q4head")]
 
 
 

@@ -232,13 +232,49 @@ def test_export_cli_errors_write_nothing(tmp_path, tiny_hf_dir, capsys):
     from llmcompress.cli import main
 
     for args, msg in [(["--to", "gguf", "--bits", "3"], "--bits 3"), (["--to", "onnx"], "unknown export format"),
-                      (["--to", "gguf", "--group-size", "48"], "--group-size 48")]:
+                      (["--to", "gguf", "--group-size", "48"], "--group-size 48"), (["--to", "gguf", "--embed-bits", "5"], "--embed-bits 5"),
+                      (["--to", "compressed-tensors", "--embed-bits", "4"], "--embed-bits applies to --to gguf"),
+                      (["--to", "compressed-tensors", "--separate-output"], "--separate-output applies to --to gguf")]:
         with pytest.raises(SystemExit) as e:
             main(["export", str(tiny_hf_dir), "--out", str(tmp_path / "x.gguf"), *args])
         assert e.value.code == 2, args
         err = capsys.readouterr().err
         assert err.startswith("error: ") and msg in err and len(err.strip().splitlines()) == 1, err
     assert not any(tmp_path.glob("x*"))
+
+
+def test_export_cli_gguf_embed_bits(tmp_path, bpe_tokenizer, capsys):
+    """--embed-bits 4: the (tied) embedding as Q4_0, exactly our 4-bit symmetric RTN of it; --bits 16 --embed-bits 8:
+    float linears, Q8_0 embedding; default: Q8_0 when quantizing; --separate-output: the tied matrix written
+    twice, as token_embd and as output.weight, same type and bytes."""
+    from llmcompress.cli import main
+    from llmcompress.quant import primitives as P
+
+    src = tmp_path / "src"
+    model = _tiny(len(bpe_tokenizer))
+    model.save_pretrained(src)
+    bpe_tokenizer.save_pretrained(src)
+    types = {}
+    for name, args in [("e4", ["--bits", "4", "--sym", "--embed-bits", "4"]), ("e8", ["--bits", "16", "--embed-bits", "8"]),
+                       ("default", ["--bits", "4", "--sym"]), ("sep", ["--bits", "4", "--sym", "--embed-bits", "4", "--separate-output"])]:
+        with pytest.raises(SystemExit) as e:
+            main(["export", str(src), "--to", "gguf", "--out", str(tmp_path / f"{name}.gguf"), *args])
+        assert e.value.code == 0, capsys.readouterr().err
+        r = gguf.GGUFReader(str(tmp_path / f"{name}.gguf"))
+        types[name] = {t.name: t.tensor_type.name for t in r.tensors}
+        if name == "e4":
+            emb = next(t for t in r.tensors if t.name == "token_embd.weight")
+            w = model.model.embed_tokens.weight.detach()
+            ref = P.dequantize(*P.quantize(w, 4, 32, sym=True), 32)
+            np.testing.assert_array_equal(gguf.quants.dequantize(emb.data, emb.tensor_type).reshape(w.shape), ref.numpy())
+        if name == "sep":
+            emb, head = (next(t for t in r.tensors if t.name == n) for n in ("token_embd.weight", "output.weight"))
+            np.testing.assert_array_equal(np.asarray(head.data), np.asarray(emb.data))
+    assert types["e4"]["token_embd.weight"] == "Q4_0" and types["e4"]["blk.0.attn_q.weight"] == "Q4_0"
+    assert types["e8"]["token_embd.weight"] == "Q8_0" and types["e8"]["blk.0.attn_q.weight"] == "F32"
+    assert types["default"]["token_embd.weight"] == "Q8_0" and "output.weight" not in types["default"]
+    assert types["sep"]["output.weight"] == types["sep"]["token_embd.weight"] == "Q4_0"
+    assert (tmp_path / "sep.gguf").stat().st_size > (tmp_path / "e4.gguf").stat().st_size
 
 
 def test_export_cli_compressed_tensors_from_hf_dir(tmp_path, tiny_hf_dir, capsys):

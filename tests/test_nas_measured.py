@@ -55,7 +55,7 @@ def test_probe_fit_predicts_unseen_configurations_from_synthetic_timings():
     shapes = M.model_shapes(cfg)
     assert shapes["self_attn.k_proj"] == "192x576" and shapes["mlp.down_proj"] == "576x1536"
     true, columns = _synthetic_table(shapes)
-    X = _probe_rows(shapes, "BF16", M.PROBE_LAYERS, columns)
+    X = _probe_rows(shapes, "BF16", cfg.num_hidden_layers, columns)
     y = [sum(a * true[c] for a, c in zip(row, columns)) for row in X]
     table = {"costs": M.fit_table(X, y, columns)}
     rng = np.random.default_rng(1)
@@ -103,7 +103,7 @@ def test_table_cache_round_trip_and_key(tmp_path, monkeypatch):
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                    vocab_size=320, num_hidden_layers=2)
     key = M.table_key(cfg, "BF16", threads=2)
-    assert key["cores"] and key["llama_cpp"] and key["machine"] and key["threads"] == 2
+    assert key["cores"] and key["llama_cpp"] and key["machine"] and key["threads"] == 2 and "CPU" in key["build"]
     p = M.cache_path(key)
     assert p.parent == tmp_path / "latency"
     table = {"key": key, "costs": {"fixed@BF16": 1.0}}
@@ -144,12 +144,13 @@ def test_probe_table_of_a_tiny_model_end_to_end(tmp_path, monkeypatch, bpe_token
     from llmcompress.export.gguf import write_gguf
 
     model = _tiny(len(bpe_tokenizer), layers=2)
-    table = M.measure_table(model.config, bpe_tokenizer, ftype="F32", threads=1, layers=2, repeats=2, progress=False,
+    table = M.measure_table(model.config, bpe_tokenizer, ftype="F32", threads=1, layers=4, repeats=2, progress=False,
                             quant_types=("Q4_0", "Q8_0"))
     shapes = set(M.model_shapes(model.config).values())
     assert {f"Q4_0@{s}" for s in shapes} <= set(table["costs"]) and "fixed@F32" in table["costs"]
     assert all(v >= 0 for v in table["costs"].values())
-    assert len(table["probes"]) == len(M.probe_plans(M.model_shapes(model.config), "F32", 2, ("Q4_0", "Q8_0")))
+    assert len(table["probes"]) == len(M.probe_plans(M.model_shapes(model.config), "F32", 4, ("Q4_0", "Q8_0")))
+    assert table["key"]["probe_layers"] == 4 and {p["name"]: len(p["samples"]) for p in table["probes"]}["base-half"] == 2
     assert all(p["seconds"] > 0 and len(p["samples"]) == 2 for p in table["probes"])
     assert M.cache_path(table["key"]).is_file()
     assert M.load_cached(table["key"]) == json.loads(M.cache_path(table["key"]).read_text())

@@ -8,8 +8,9 @@ What is quantized:
 * the decoder's linear layers (q/k/v/o, gate/up/down): `bits` with `group_size`, symmetric or not;
   8 bits are symmetric unless asked otherwise (`--bits 8` alone is Q8_0-style);
 * for GGUF, the token embedding (and an untied output matrix) as symmetric 8-bit groups of 32 (Q8_0),
-  as llama.cpp's own Q4 files do and as the GGUF smollm2-135m ships in; compressed-tensors keeps them in
-  the source dtype (vLLM's pack-quantized kernels cover linear layers only);
+  as llama.cpp's own Q4 files do and as the GGUF smollm2-135m ships in, or `embed_bits` 4 (Q4_0) / 16
+  (source dtype); compressed-tensors keeps them in the source dtype (vLLM's pack-quantized kernels cover
+  linear layers only);
 * `--bits 16`: nothing; every tensor is written in the source dtype.
 """
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 FORMATS = ("gguf", "compressed-tensors")
 DECODER_LINEARS = r"re:.*\.layers\.\d+\..*"
 EMBED_BITS, EMBED_GROUP = 8, 32
+EMBED_CHOICES = (4, 8, 16)  # GGUF embedding / output matrix: Q4_0, Q8_0, source dtype
 
 
 @dataclass
@@ -40,6 +42,10 @@ class ExportOptions:
     compressed-tensors). sym: None = asymmetric below 8 bits, symmetric at 8.
     plan: a `nas` arch.json (its "plan") or a MixedPrecisionPlan dict: per-linear bits.
     save_dtype: dtype of unquantized tensors (None = the source model's dtype).
+    embed_bits: GGUF only: the token embedding and output matrix as 8 (Q8_0) | 4 (Q4_0) symmetric groups of
+    32, or 16 (source dtype). None = 8 when any linear is quantized, else 16.
+    separate_output: GGUF only: a tied output matrix also written as its own `output.weight`, which llama.cpp
+    repacks for its fast CPU matmul (a tied `token_embd` is not repacked); costs a second copy.
     """
 
     bits: int = 4
@@ -51,6 +57,8 @@ class ExportOptions:
     calib_source: str | None = None
     calib_blocks: int | None = None
     seed: int = 0
+    embed_bits: int | None = None
+    separate_output: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, to: str) -> None:
@@ -67,6 +75,12 @@ class ExportOptions:
             raise UserError(f"--group-size {self.group_size} is not supported", "use 32, 64 or 128")
         if self.save_dtype not in (None, "float32", "bfloat16", "float16"):
             raise UserError(f"unknown --save-dtype {self.save_dtype!r}", "use float32, bfloat16 or float16")
+        if self.embed_bits is not None and self.embed_bits not in EMBED_CHOICES:
+            raise UserError(f"--embed-bits {self.embed_bits} is not supported", "use 4 (Q4_0), 8 (Q8_0) or 16 (no quantization)")
+        if self.embed_bits is not None and to != "gguf":
+            raise UserError("--embed-bits applies to --to gguf", "compressed-tensors keeps embeddings in the source dtype")
+        if self.separate_output and to != "gguf":
+            raise UserError("--separate-output applies to --to gguf", "compressed-tensors keeps the model's own tying")
         if self.plan is not None and not Path(self.plan).is_file():
             raise UserError(f"plan file {self.plan} not found", "pass the arch.json a `llmcompress nas` run wrote")
 
@@ -80,6 +94,7 @@ def _ranges():
     return {
         "bits": Int("--bits", 2, 16, note="use 4, 5, 8 or 16"),
         "group_size": Int("--group-size", 0, MAX_SEQ, note="use 32, 64 or 128 (0: 32 for gguf, 128 for compressed-tensors)"),
+        "embed_bits": Int("--embed-bits", 4, 16, note="use 4, 8 or 16"),
         "calib_blocks": Int("calib_blocks", 1, MAX_COUNT),
         "seed": Int("--seed", 0, MAX_SEED),
     }
@@ -202,9 +217,11 @@ def quantize_for_export(model, tokenizer, to: str, opts: ExportOptions, progress
             qweights = gptq_model_(model, plan, blocks, progress=progress, act_order=act_order)
         else:
             qweights = quantize_model_(model, plan, progress=progress)
-        if to == "gguf":
-            qweights.update(quantize_embeddings_(model))
-            info["embeddings"] = f"symmetric {EMBED_BITS}-bit, groups of {EMBED_GROUP} (Q8_0)"
+    if to == "gguf":
+        embed_bits = opts.embed_bits or (EMBED_BITS if qweights else 16)
+        if embed_bits < 16:
+            qweights.update(quantize_embeddings_(model, bits=embed_bits))
+            info["embeddings"] = f"symmetric {embed_bits}-bit, groups of {EMBED_GROUP} (Q{embed_bits}_0)"
     return qweights, info
 
 
@@ -307,7 +324,8 @@ def export_loaded(lm, to: str, out: Path, opts: ExportOptions, *, overwrite: boo
 
         meta = {"source": lm.source, "quant": json.dumps({k: v for k, v in info.items() if k != "plan"}, default=str)}
         res = write_gguf(model, out, qweights=qweights, float_dtype=dtype, tokenizer=tok,
-                         name=Path(str(lm.source)).name, metadata=meta, overwrite=overwrite)
+                         name=Path(str(lm.source)).name, metadata=meta, overwrite=overwrite,
+                         separate_output=opts.separate_output)
     else:
         from llmcompress.export.compressed_tensors import write_compressed_tensors
 

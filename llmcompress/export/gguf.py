@@ -23,7 +23,8 @@ Bit widths and llama.cpp kernels for SmolLM2's 576-wide rows: the legacy blocks 
 Q5_0, Q5_1, Q8_0) run on every backend for any row length divisible by 32. The K-quants (Q2_K..Q6_K)
 use super-blocks of 256, so a 576 (= 2.25 x 256) row cannot be stored in them (only ffn_down, 1536 wide,
 could); 2- and 3-bit choices therefore have no kernel for this model, and `write_gguf` refuses them.
-The IQ types also need 256-blocks. Unquantized 2-D tensors are written as BF16/F16/F32 (the source
+Most IQ types also need 256-blocks; IQ4_NL has blocks of 32 but a non-uniform codebook that our integer
+grids do not map onto. Unquantized 2-D tensors are written as BF16/F16/F32 (the source
 dtype), 1-D tensors (norms) as F32, as llama.cpp's convert_hf_to_gguf.py does.
 
 Names, q/k row permutation and metadata follow convert_hf_to_gguf.py's LlamaModel (gguf-py's
@@ -233,6 +234,7 @@ def write_gguf(
     name: str | None = None,
     metadata: dict[str, str] | None = None,
     overwrite: bool = False,
+    separate_output: bool = False,
 ) -> dict:
     """Write `model` (LLaMA architecture) to the GGUF file `out`, atomically. Returns a summary dict
     (path, bytes, tensor types, tokenizer origin).
@@ -241,6 +243,10 @@ def write_gguf(
         module docstring), an embedding tied to a quantized `lm_head` takes the lm_head's blocks.
     float_dtype: bfloat16 | float16 | float32, for the 2-D tensors that are not quantized.
     metadata: extra string fields, written under `llmcompress.` (llama.cpp ignores them).
+    separate_output: for a model whose output matrix is tied to the token embedding, also write it as its
+        own `output.weight` (same values and type). llama.cpp keeps `token_embd` in a plain CPU buffer
+        (row lookups read it) and so runs a tied output matmul on the plain layout; a separate `output.weight`
+        is repacked for its fast matmul kernels (Q4_0 -> q4_0_8x8 on AVX-512/AVX2). Costs a second copy.
     """
     import gguf
     import numpy as np
@@ -317,6 +323,10 @@ def write_gguf(
                 arr = _permute_rows(arr, n_kv)
             w.add_tensor(gname, np.ascontiguousarray(arr), raw_dtype=raw)
             types[gname] = tname
+            if separate_output and tied and fqn == embed_fqn:
+                oname = names.get_name("lm_head.weight", try_suffixes=(".weight",))
+                w.add_tensor(oname, np.ascontiguousarray(arr), raw_dtype=raw)
+                types[oname] = tname
         counts: dict[str, int] = {}
         for t in types.values():
             counts[t] = counts.get(t, 0) + 1
@@ -327,7 +337,7 @@ def write_gguf(
         w.write_tensors_to_file()
         w.close()
     return {"path": str(out), "bytes": out.stat().st_size, "tensor_types": counts, "tokenizer": tok_origin,
-            "layers": n_layers, "float_dtype": float_dtype}
+            "layers": n_layers, "float_dtype": float_dtype, "separate_output": bool(separate_output and tied)}
 
 
 def _file_type(types: dict[str, str]) -> int:

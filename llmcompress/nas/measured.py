@@ -11,10 +11,15 @@ sampling overhead). A GGUF's modeled time is
 from the linears, since every layer has each shape once: it is shared among the shape costs, which changes
 no prediction for a model made of whole layers).
 
-How it is measured: small probe GGUFs (`probe_layers` decoder layers of the model's shapes, its vocabulary,
-random weights quantized by RTN, written by `llmcompress.export.gguf.write_gguf`), one base probe (every
-linear Q8_0), one per (type, shape group) with that group's linears in that type, one per uniform type
-and one with a float output matrix. Each is run in llama-cpp-python (`n_threads` = cores,
+How it is measured: probe GGUFs (`probe_layers` decoder layers of the model's shapes -- by default as many
+as the model has --, its vocabulary, random weights quantized by RTN, written by
+`llmcompress.export.gguf.write_gguf`), one base probe (every linear Q8_0) and one with half its layers
+(which tells the per-layer time from the fixed part), one per (type, shape group) with that group's
+linears in that type, one per uniform type and one with a float output matrix. Probes as deep as the
+model matter: with 4-layer probes (version 1) the weights stayed in cache, every probe decoded in ~2 ms
+whatever its types, and the table underestimated full-depth decode by 14-39%, most for the widest types
+(smollm2-135m, 2026-12-06: MAPE 26%, Spearman 0.73), since a full model streams its weights from memory;
+full-depth probes: MAPE 3.6%, Spearman 0.94 on the same 15 exports (bench/bench_costmodel.py). Each is run in llama-cpp-python (`n_threads` = cores,
 `OMP_WAIT_POLICY=PASSIVE` unless set): a short prompt, then tokens decoded one at a time; the runs are
 interleaved across probes (round r times every probe once, in a rotated order), so drifting load hits all
 alike, and each probe's time is the fastest of `repeats` (7) rounds after a warm-up round (`stat`; on a
@@ -24,7 +29,7 @@ non-negative least squares (scipy.optimize.nnls when scipy is installed, else a 
 fallback in numpy) on the probes' counts of (type, shape) linears.
 
 The table is cached as JSON under `llmcompress.paths.cache_dir()/latency/`, keyed by the CPU model,
-core count, llama-cpp-python version, thread count, protocol and the model's shapes.
+core count, llama-cpp-python version and build features, thread count, protocol and the model's shapes.
 """
 
 from __future__ import annotations
@@ -44,11 +49,11 @@ from llmcompress.runtime import cpu_model, load_average
 QUANT_TYPES = tuple(GGML_TYPES.values())
 TYPE_BITS = {t: bits_sym for bits_sym, t in GGML_TYPES.items()}  # ggml type -> (bits, symmetric)
 BASE = "Q8_0"
-PROBE_LAYERS = 4
+PROBE_LAYERS = 0  # 0: the model's own depth (see the module docstring)
 PROMPT, DECODE, REPEATS = 32, 32, 7
 STAT = "min"  # of the interleaved rounds: on shared cores the runs are bimodal (quiet, or 2-3x slower while
 # another job holds a core; measured at load 11 on 2 cores), and the fastest is the least disturbed, as for `lut`
-VERSION = 1
+VERSION = 2  # 2: full-depth probes, a half-depth base (1: 4 and 8 layers)
 KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -124,12 +129,12 @@ def fit_table(rows: list[list[float]], seconds: list[float], columns: list[str])
 # ------------------------------------------------------------------------------------------ probes
 def probe_plans(shapes: dict[str, str], ftype: str, layers: int = PROBE_LAYERS, quant_types=QUANT_TYPES) -> list[tuple[str, dict[str, str], str, int]]:
     """(name, linear kind -> type, output-matrix type, decoder layers) of every probe. All have `layers`
-    layers but one base probe with twice as many, which tells the per-layer time from the fixed part."""
+    layers but one base probe with half as many, which tells the per-layer time from the fixed part."""
     groups: dict[str, list[str]] = {}
     for kind, s in shapes.items():
         groups.setdefault(s, []).append(kind)
     types = (*quant_types, ftype)
-    plans = [("base", {k: BASE for k in shapes}, BASE, layers), ("base-long", {k: BASE for k in shapes}, BASE, 2 * layers)]
+    plans = [("base", {k: BASE for k in shapes}, BASE, layers), ("base-half", {k: BASE for k in shapes}, BASE, max(1, layers // 2))]
     for t in types:
         if t != BASE:
             for s, kinds in groups.items():
@@ -247,10 +252,19 @@ def summarize(samples: list[float], stat: str = STAT) -> float:
     return min(samples) if stat == "min" else statistics.median(samples)
 
 
+def runtime_build() -> str:
+    """llama.cpp's build features (llama_print_system_info: SIMD, AMX, REPACK, OpenMP): two builds of one
+    llama-cpp-python version can run the same GGUF through different kernels, so tables are kept apart."""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+
+
 def table_key(cfg, ftype: str, threads: int, layers: int = PROBE_LAYERS, stat: str = STAT, repeats: int = REPEATS) -> dict:
     import llama_cpp
 
     return {"machine": cpu_model(), "cores": os.cpu_count(), "threads": threads, "llama_cpp": llama_cpp.__version__,
+            "build": runtime_build(),
             "shapes": sorted(set(model_shapes(cfg).values())), "vocab": int(cfg.vocab_size), "float": ftype,
             "tied": bool(getattr(cfg, "tie_word_embeddings", False)), "probe_layers": layers,
             "protocol": f"prompt {PROMPT}, decode {DECODE}, {stat} of {repeats} interleaved rounds", "version": VERSION}
@@ -285,11 +299,12 @@ def measure_table(cfg, tokenizer, *, ftype: str = "BF16", threads: int | None = 
     from llmcompress.runtime import default_threads
 
     threads = threads or default_threads()
+    layers = layers or int(cfg.num_hidden_layers)
     key = {**table_key(cfg, ftype, threads, layers, stat, repeats), "types": [*quant_types, ftype]}
     if use_cache and (hit := load_cached(key)) is not None:
         return hit
     t_start = time.time()
-    model = _probe_model(cfg, 2 * layers)
+    model = _probe_model(cfg, layers)
     emb = model.get_input_embeddings().weight.data
     q, s, z = P.quantize(emb, EMBED_BITS, EMBED_GROUP, sym=True)
     head_q = QuantizedWeight(q, s, z, EMBED_BITS, EMBED_GROUP, True)
