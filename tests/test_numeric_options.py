@@ -88,7 +88,7 @@ BAD = {
     },
     "zip": {"--threads": ["-1", HUGE], "--chunk-kb": ["0", "-1", HUGE]},
     "unzip": {"--threads": ["-1", HUGE]},
-    "export": {"--bits": ["0", "-1", HUGE], "--group-size": ["-1", HUGE], "--seed": ["-1", SEED_OVER]},
+    "export": {"--bits": ["0", "-1", HUGE], "--embed-bits": ["0", "-1", HUGE], "--group-size": ["-1", HUGE], "--seed": ["-1", SEED_OVER]},
 }
 
 STRING_NUMBERS = ("--save", "--bits", "--act-rank")  # numbers in a string option (--act-rank also takes auto)
