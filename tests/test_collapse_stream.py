@@ -73,7 +73,8 @@ def test_streamed_reference_and_fitness_equal_in_memory(pair):
 
 
 def test_streamed_fitness_reads_only_the_layers_a_group_needs(pair, monkeypatch):
-    """A group's dropped layers (every coefficient 0) are never read; at most one group's sources are resident."""
+    """A group's dropped layers (every coefficient 0) are never read; a group is built with its leader and one other
+    source resident at a time."""
     _, st = pair
     runner = st.runner
     read, resident, peak = [], set(), [0]
@@ -96,6 +97,13 @@ def test_streamed_fitness_reads_only_the_layers_a_group_needs(pair, monkeypatch)
     assert read == [2, 3, 6, 7] + [2, 3, 5, 6, 7]
     assert peak[0] == 2  # group [2, 3, 4]: layers 2 and 3 only (layer 4 is dropped)
     assert all(p.device.type == "meta" for layer in st.layers for p in layer.parameters())  # freed again
+    # a group of three merged sources is built one source at a time: the leader and one other resident
+    read.clear()
+    three = _merge([[0], [1], [2, 3, 4], [5], [6], [7]], [[], [], [(1.0, 0.5, 0.25), (0.5, 1.0, 0.75)], [], [], []])
+    mem, _ = pair
+    assert st.evaluate(three).fitness == pytest.approx(mem.evaluate(three).fitness, rel=RTOL)
+    assert [i for i in read if i in (2, 3, 4)] == [2, 3, 4] * 2  # the similarity, then the KL
+    assert peak[0] == 2
 
 
 def _search(ev, out, seed):

@@ -32,39 +32,36 @@ def merge_tensors(base: torch.Tensor, others: Sequence[torch.Tensor], alphas: Se
     return out
 
 
-def merge_state_dicts(
-    states: Sequence[Mapping[str, torch.Tensor]],
-    alphas: Sequence[Mapping[str, float]],
-    kind_of,
-) -> dict[str, torch.Tensor]:
-    """Merge the state dicts of a group (leader first); `alphas[j]` maps kind -> alpha of layer j+1.
-
-    Args:
-        states: state dicts of layers l, l+1, ..., l+k (names relative to the layer).
-        alphas: for each merged layer l+1..l+k, a mapping module kind -> coefficient.
-        kind_of: parameter name -> kind ("attention", "mlp", "norm", "other"); "other" follows "mlp".
-    """
-    base, rest = states[0], states[1:]
-    if len(rest) != len(alphas):
-        raise ValueError("one alpha mapping per merged layer")
-    merged = {}
-    for name, t in base.items():
+def merge_into_(target: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor],
+                alpha: Mapping[str, float], kind_of) -> None:
+    """One merged layer's step, in place: target[name] += alpha[kind] * (other[name] - base[name]) for every
+    floating tensor (kind_of maps a parameter name to its kind; "other" follows "mlp"; a zero coefficient
+    skips the tensor, so a dropped layer changes nothing). Starting from a copy of `base` and applying the
+    merged layers in order is `merge_tensors` per tensor, bit for bit; the streamed path (collapse/stream.py)
+    thus holds the leader, the result and one source at a time, whatever the group's size."""
+    for name, t in target.items():
         if not t.is_floating_point():
-            merged[name] = t.clone()
             continue
         kind = kind_of(name)
-        kind = kind if kind in KINDS else "mlp"
-        merged[name] = merge_tensors(t, [s[name] for s in rest], [a[kind] for a in alphas])
-    return merged
+        a = float(alpha[kind if kind in KINDS else "mlp"])
+        if a != 0.0:
+            t.add_(other[name].detach() - base[name].detach(), alpha=a)
 
 
 def collapse_group(layers: Sequence[nn.Module], alphas: Sequence[Mapping[str, float]], kind_of) -> nn.Module:
-    """One new layer from a group of layers (leader first). A group of one returns the layer itself."""
+    """One new layer from a group of layers (leader first); `alphas[j]` maps module kind -> coefficient of
+    layer j+1. A group of one returns the layer itself."""
     if len(layers) == 1:
         return layers[0]
+    if len(layers) - 1 != len(alphas):
+        raise ValueError("one alpha mapping per merged layer")
+    import torch
+
     new = copy.deepcopy(layers[0])
-    sd = merge_state_dicts([layer.state_dict() for layer in layers], alphas, kind_of)
-    new.load_state_dict(sd)
+    with torch.no_grad():
+        target, base = new.state_dict(), layers[0].state_dict()
+        for layer, alpha in zip(layers[1:], alphas):
+            merge_into_(target, base, layer.state_dict(), alpha, kind_of)
     return new
 
 

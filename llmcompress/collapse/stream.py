@@ -1,23 +1,24 @@
 """A collapse candidate run layer by layer over an `io.stream.LayerRunner` (models larger than memory).
 
 `CollapsedRunner(runner, cand)` has the LayerRunner interface with the candidate's groups as its layers:
-`layer(g)` loads the source layers of group g (streamed: from the safetensors files, freed on exit), builds
-the collapsed layer with the operator's own `collapse_group`, and yields it; `run(g, layer, h)` runs it at
+`layer(g)` builds group g's collapsed layer from its source layers (streamed: read from the safetensors files
+one at a time and freed, merged with the operator's own `merge_into_`) and yields it; `run(g, layer, h)` runs it at
 the position of its leader. So the engines written against a LayerRunner (`io.stream.boundary_walk`,
 `streamed_nll`) score a candidate unchanged, and the fitness (collapse/fitness.py) runs a candidate's suffix
 one group at a time over every calibration block. At any time memory holds the resident embedding and head,
-the source layers of one group and its collapsed layer.
+a group's leader, its collapsed layer and one other source layer (while the layer is built).
 
-A source layer merged with every coefficient 0 (dropped) is never read: `merge_tensors` skips a zero
-coefficient, so the leader stands in for it and the merged tensors are the same.
+A source layer merged with every coefficient 0 (dropped) is never read: `merge_into_` skips a zero
+coefficient, so the merged tensors are the same without it.
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+import copy
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from llmcompress.collapse.operator import collapse_group
+from llmcompress.collapse.operator import merge_into_
 from llmcompress.collapse.space import Candidate
 
 if TYPE_CHECKING:
@@ -57,19 +58,29 @@ class CollapsedRunner:
 
     @contextmanager
     def layer(self, g: int):
-        """Group g's collapsed layer (its leader itself for a group of one); its sources freed on exit."""
+        """Group g's collapsed layer (its leader itself for a group of one). Built from a copy of the leader,
+        merging one source at a time (`merge_into_`, the arithmetic of `collapse_group`): at most the leader,
+        the copy and one source are resident while it is built, and only the copy while it runs."""
         grp = self.cand.groups[g]
-        with ExitStack() as stack:
-            loaded = {i: stack.enter_context(self.runner.layer(i)) for i in read_sources(self.cand, g)}
-            if len(grp) == 1:
-                yield loaded[grp[0]]
-                return
-            sources = [loaded.get(i, loaded[grp[0]]) for i in grp]  # a dropped layer: never read (see above)
-            built = collapse_group(sources, self.cand.alpha_dicts(g), self.runner.adapter.kind_of)
-            try:
-                yield built
-            finally:
-                del built
+        if len(grp) == 1:
+            with self.runner.layer(grp[0]) as layer:
+                yield layer
+            return
+        import torch
+
+        needed = set(read_sources(self.cand, g))
+        with self.runner.layer(grp[0]) as leader, torch.no_grad():
+            built = copy.deepcopy(leader)
+            target, base = built.state_dict(), leader.state_dict()
+            for i, alpha in zip(grp[1:], self.cand.alpha_dicts(g)):
+                if i in needed:  # a dropped layer (every coefficient 0) is never read
+                    with self.runner.layer(i) as src:
+                        merge_into_(target, base, src.state_dict(), alpha, self.runner.adapter.kind_of)
+            del target, base
+        try:
+            yield built
+        finally:
+            del built
 
     def run(self, g: int, layer, hidden: torch.Tensor) -> torch.Tensor:
         return self.runner.run(self.cand.groups[g][0], layer, hidden)
