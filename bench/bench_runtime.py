@@ -18,6 +18,7 @@ transformers dequantizes it), optionally on held-out tinyshakespeare (valid spli
     rtn8-sym-g32            8-bit symmetric (Q8_0)  (gptq8-sym-g32 with --only)
     rtn4-sym-g32-q4head     Q4_0 with a Q4_0 embedding written also as a separate output.weight (--only;
                             `export --embed-bits 4 --separate-output`: llama.cpp repacks the output matmul)
+    gptq4-sym-g32-q4head    the same with --quant gptq: the output matrix untied, its own GPTQ integers (--only)
     collapse22-{bf16,q8_0}  `collapse --method shortgpt --target-layers 22`, exported at 16 and 8 bits
 
 Files named like bench_export.py's are taken from `--gguf-from` (its --work folder) when there, else exported
@@ -62,12 +63,14 @@ CONFIGS = {
     "gptq4-sym-g32": ("GPTQ 4-bit sym g32 (Q4_0)", "model", dict(bits=4, quant="gptq", group_size=32, sym=True)),
     "rtn4-sym-g32-q4head": ("RTN 4-bit sym g32 (Q4_0), embedding Q4_0 + separate output.weight Q4_0", "model",
                             dict(bits=4, quant="rtn", group_size=32, sym=True, embed_bits=4, separate_output=True)),
+    "gptq4-sym-g32-q4head": ("GPTQ 4-bit sym g32 (Q4_0), embedding RTN Q4_0 + untied output.weight GPTQ Q4_0", "model",
+                             dict(bits=4, quant="gptq", group_size=32, sym=True, embed_bits=4, separate_output=True)),
     "rtn8-sym-g32": ("RTN 8-bit sym (Q8_0)", "model", dict(bits=8, quant="rtn", group_size=32, sym=True)),
     "gptq8-sym-g32": ("GPTQ 8-bit sym (Q8_0)", "model", dict(bits=8, quant="gptq", group_size=32, sym=True)),
     "collapse22-bf16": ("shortgpt 22 layers, bf16", "collapse", dict(bits=16)),
     "collapse22-q8_0": ("shortgpt 22 layers, RTN Q8_0", "collapse", dict(bits=8, quant="rtn", group_size=32, sym=True)),
 }
-DEFAULT = [n for n in CONFIGS if n not in ("gptq8-sym-g32", "rtn4-sym-g32-q4head")]
+DEFAULT = [n for n in CONFIGS if n not in ("gptq8-sym-g32", "rtn4-sym-g32-q4head", "gptq4-sym-g32-q4head")]
 
 
 

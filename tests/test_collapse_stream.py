@@ -73,37 +73,43 @@ def test_streamed_reference_and_fitness_equal_in_memory(pair):
 
 
 def test_streamed_fitness_reads_only_the_layers_a_group_needs(pair, monkeypatch):
-    """A group's dropped layers (every coefficient 0) are never read; a group is built with its leader and one other
-    source resident at a time."""
-    _, st = pair
-    runner = st.runner
-    read, resident, peak = [], set(), [0]
-    real = runner.layer
-
+    """A group's dropped layers (every coefficient 0) are never read, and a merged group is built with one
+    decoder layer resident: its leader, merged in place from the other sources read tensor by tensor."""
     from contextlib import contextmanager
 
+    mem, st = pair
+    runner = st.runner
+    read, resident, peak = [], set(), [0]
+    real_layer, real_tensor = runner.layer, runner.read_tensor
+
     @contextmanager
-    def spy(i):
-        read.append(i)
+    def spy(i):  # (layer loaded, layers whose single tensors were read while it was built)
+        read.append((i, set()))
         resident.add(i)
         peak[0] = max(peak[0], len(resident))
-        with real(i) as layer:
+        with real_layer(i) as layer:
             yield layer
         resident.discard(i)
 
+    def spy_tensor(name):  # the layers whose tensors were read while the last loaded layer was built
+        read[-1][1].add(int(name.split(".layers.")[1].split(".")[0]))
+        return real_tensor(name)
+
     monkeypatch.setattr(runner, "layer", spy)
+    monkeypatch.setattr(runner, "read_tensor", spy_tensor)
     st.evaluate(CANDS[2])
-    # the two merged groups' similarity (each once, memoized), then the KL: each layer of the suffix read once
-    assert read == [2, 3, 6, 7] + [2, 3, 5, 6, 7]
-    assert peak[0] == 2  # group [2, 3, 4]: layers 2 and 3 only (layer 4 is dropped)
+    # the two merged groups' similarity (each once, memoized), then the KL: every layer of the suffix read once;
+    # a merged group: its leader loaded, then per merged source the leader's and the source's tensors
+    merged_2, merged_6 = (2, {2, 3}), (6, {6, 7})  # group [2, 3, 4]: layer 4 is dropped, never read
+    assert read == [merged_2, merged_6, merged_2, (5, set()), merged_6]
+    assert peak[0] == 1
     assert all(p.device.type == "meta" for layer in st.layers for p in layer.parameters())  # freed again
-    # a group of three merged sources is built one source at a time: the leader and one other resident
+    # a group of three merged sources, against the in-memory build
     read.clear()
     three = _merge([[0], [1], [2, 3, 4], [5], [6], [7]], [[], [], [(1.0, 0.5, 0.25), (0.5, 1.0, 0.75)], [], [], []])
-    mem, _ = pair
     assert st.evaluate(three).fitness == pytest.approx(mem.evaluate(three).fitness, rel=RTOL)
-    assert [i for i in read if i in (2, 3, 4)] == [2, 3, 4] * 2  # the similarity, then the KL
-    assert peak[0] == 2
+    assert read[:3] == [(2, {2, 3, 4}), (2, {2, 3, 4}), (5, set())]  # the similarity, then the KL
+    assert peak[0] == 1
 
 
 def _search(ev, out, seed):

@@ -277,6 +277,39 @@ def test_export_cli_gguf_embed_bits(tmp_path, bpe_tokenizer, capsys):
     assert (tmp_path / "sep.gguf").stat().st_size > (tmp_path / "e4.gguf").stat().st_size
 
 
+def test_gptq_separate_output_gets_its_own_gptq_integers(tmp_path, bpe_tokenizer, capsys):
+    """--quant gptq --embed-bits 4 --separate-output: token_embd stays our RTN of the embedding, output.weight is
+    the head's own GPTQ integers, whose error on the final hidden states (what the head multiplies) is below RTN's."""
+    from llmcompress.cli import main
+
+    src, text = tmp_path / "src", tmp_path / "calib.txt"
+    model = _tiny(len(bpe_tokenizer))
+    model.save_pretrained(src)
+    bpe_tokenizer.save_pretrained(src)
+    words = "the quick brown fox jumps over the lazy dog hello world compression".split()
+    rng = np.random.default_rng(0)
+    text.write_text("\n".join(" ".join(rng.choice(words, 40)) for _ in range(400)))
+    out = tmp_path / "m.gguf"
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(src), "--to", "gguf", "--out", str(out), "--bits", "4", "--sym", "--quant", "gptq",
+              "--calib-data", str(text), "--embed-bits", "4", "--separate-output"])
+    assert e.value.code == 0, capsys.readouterr().err
+    r = gguf.GGUFReader(str(out))
+    t = {x.name: x for x in r.tensors}
+    assert t["token_embd.weight"].tensor_type.name == t["output.weight"].tensor_type.name == "Q4_0"
+    w = model.model.embed_tokens.weight.detach()
+    deq = {n: torch.from_numpy(np.array(gguf.quants.dequantize(t[n].data, t[n].tensor_type)).reshape(w.shape)) for n in t
+           if n in ("token_embd.weight", "output.weight")}
+    rtn = P.dequantize(*P.quantize(w, 4, 32, sym=True), 32)
+    assert torch.equal(deq["token_embd.weight"], rtn)
+    assert not torch.equal(deq["output.weight"], rtn)
+    ids = bpe_tokenizer(text.read_text()[:4000], return_tensors="pt").input_ids[:, :256]
+    with torch.no_grad():
+        x = model(ids, output_hidden_states=True).hidden_states[-1][0]  # after the final norm: the head's input
+    err = lambda q: (x @ (q - w).T).pow(2).sum().item()  # noqa: E731
+    assert err(deq["output.weight"]) < 0.9 * err(rtn)
+
+
 def test_export_cli_compressed_tensors_from_hf_dir(tmp_path, tiny_hf_dir, capsys):
     from llmcompress.cli import main
 

@@ -1,12 +1,13 @@
 """A collapse candidate run layer by layer over an `io.stream.LayerRunner` (models larger than memory).
 
 `CollapsedRunner(runner, cand)` has the LayerRunner interface with the candidate's groups as its layers:
-`layer(g)` builds group g's collapsed layer from its source layers (streamed: read from the safetensors files
-one at a time and freed, merged with the operator's own `merge_into_`) and yields it; `run(g, layer, h)` runs it at
+`layer(g)` builds group g's collapsed layer from its source layers with the operator's own `merge_into_`
+(streamed: the leader loaded from the safetensors files and merged in place, the other sources read one
+tensor at a time) and yields it; `run(g, layer, h)` runs it at
 the position of its leader. So the engines written against a LayerRunner (`io.stream.boundary_walk`,
 `streamed_nll`) score a candidate unchanged, and the fitness (collapse/fitness.py) runs a candidate's suffix
 one group at a time over every calibration block. At any time memory holds the resident embedding and head,
-a group's leader, its collapsed layer and one other source layer (while the layer is built).
+one decoder layer (a group's leader, merged in place) and, while it is built, a few single tensors.
 
 A source layer merged with every coefficient 0 (dropped) is never read: `merge_into_` skips a zero
 coefficient, so the merged tensors are the same without it.
@@ -31,6 +32,16 @@ def read_sources(cand: Candidate, g: int) -> list[int]:
     grp = cand.groups[g]
     alphas = cand.alpha_dicts(g)
     return [grp[0]] + [i for i, a in zip(grp[1:], alphas) if any(v != 0.0 for v in a.values())]
+
+
+class _Tensors:
+    """Decoder layer i's tensors by name relative to the layer, each read from the files when asked for."""
+
+    def __init__(self, runner, i: int) -> None:
+        self.runner, self.prefix = runner, runner.layer_prefix(i)
+
+    def __getitem__(self, name: str):
+        return self.runner.read_tensor(self.prefix + name)
 
 
 class CollapsedRunner:
@@ -58,9 +69,10 @@ class CollapsedRunner:
 
     @contextmanager
     def layer(self, g: int):
-        """Group g's collapsed layer (its leader itself for a group of one). Built from a copy of the leader,
-        merging one source at a time (`merge_into_`, the arithmetic of `collapse_group`): at most the leader,
-        the copy and one source are resident while it is built, and only the copy while it runs."""
+        """Group g's collapsed layer (its leader itself for a group of one), merged one source at a time with
+        `merge_into_` (the arithmetic of `collapse_group`, so the values equal the in-memory build). Streamed:
+        the leader, loaded fresh, is merged in place, reading its original values and each source one tensor
+        at a time (one layer and a few tensors resident); in memory: a copy of the leader."""
         grp = self.cand.groups[g]
         if len(grp) == 1:
             with self.runner.layer(grp[0]) as layer:
@@ -68,14 +80,26 @@ class CollapsedRunner:
             return
         import torch
 
-        needed = set(read_sources(self.cand, g))
+        needed = read_sources(self.cand, g)[1:]
+        pairs = [(i, a) for i, a in zip(grp[1:], self.cand.alpha_dicts(g)) if i in needed]  # a dropped layer is never read
+        kind_of = self.runner.adapter.kind_of
+        if self.runner.streamed:
+            # the leader is loaded fresh from its files and merged in place; the leader's original values and
+            # each source are read one tensor at a time: a group costs one layer and a tensor or two
+            with self.runner.layer(grp[0]) as built:
+                with torch.no_grad():
+                    target = built.state_dict()
+                    for i, alpha in pairs:
+                        merge_into_(target, _Tensors(self.runner, grp[0]), _Tensors(self.runner, i), alpha, kind_of)
+                    del target
+                yield built
+            return
         with self.runner.layer(grp[0]) as leader, torch.no_grad():
             built = copy.deepcopy(leader)
             target, base = built.state_dict(), leader.state_dict()
-            for i, alpha in zip(grp[1:], self.cand.alpha_dicts(g)):
-                if i in needed:  # a dropped layer (every coefficient 0) is never read
-                    with self.runner.layer(i) as src:
-                        merge_into_(target, base, src.state_dict(), alpha, self.runner.adapter.kind_of)
+            for i, alpha in pairs:
+                with self.runner.layer(i) as src:
+                    merge_into_(target, base, src.state_dict(), alpha, kind_of)
             del target, base
         try:
             yield built

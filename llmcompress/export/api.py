@@ -45,7 +45,9 @@ class ExportOptions:
     embed_bits: GGUF only: the token embedding and output matrix as 8 (Q8_0) | 4 (Q4_0) symmetric groups of
     32, or 16 (source dtype). None = 8 when any linear is quantized, else 16.
     separate_output: GGUF only: a tied output matrix also written as its own `output.weight`, which llama.cpp
-    repacks for its fast CPU matmul (a tied `token_embd` is not repacked); costs a second copy.
+    repacks for its fast CPU matmul (a tied `token_embd` is not repacked); costs a second copy. With
+    `quant="gptq"` and `embed_bits` < 16, the output matrix is untied and gets its own GPTQ integers
+    (calibrated on the final hidden states) while the embedding keeps RTN's.
     """
 
     bits: int = 4
@@ -176,7 +178,7 @@ def calibration(tokenizer, opts: ExportOptions):
     return blocks, origin, nc.gptq_act_order
 
 
-def quantize_embeddings_(model, bits: int = EMBED_BITS, group_size: int = EMBED_GROUP) -> dict[str, QuantizedWeight]:
+def quantize_embeddings_(model, bits: int = EMBED_BITS, group_size: int = EMBED_GROUP, skip=()) -> dict[str, QuantizedWeight]:
     """Symmetric RTN of the token embedding (and of an untied lm_head), in place (weights become their
     dequantized values). Keys: "model.embed_tokens" style module FQNs."""
     import torch
@@ -190,6 +192,8 @@ def quantize_embeddings_(model, bits: int = EMBED_BITS, group_size: int = EMBED_
     fqn_of = {id(m): n for n, m in model.named_modules()}
     mods = [emb] + ([head] if head is not None and head.weight.data_ptr() != emb.weight.data_ptr() else [])
     for mod in mods:
+        if fqn_of[id(mod)] in skip:  # already quantized (a GPTQ output matrix)
+            continue
         q, s, z = P.quantize(mod.weight.data, bits, group_size, sym=True)
         qw = QuantizedWeight(q, s, z, bits, group_size, True)
         with torch.no_grad():
@@ -204,10 +208,21 @@ def quantize_for_export(model, tokenizer, to: str, opts: ExportOptions, progress
     from llmcompress.quant.apply import quantize_model_
 
     plan, notes = export_plan(model, to, opts)
+    quantizing = bool(plan.quantized([n for n, _ in model.named_modules()]))
+    embed_bits = (opts.embed_bits or (EMBED_BITS if quantizing else 16)) if to == "gguf" else 16
+    head_fqn = None
+    if opts.separate_output and opts.quant == "gptq" and embed_bits < 16 and _is_tied(model):
+        # the output matrix gets its own GPTQ integers (calibrated on the final hidden states), the embedding
+        # keeps RTN: a 4-bit head costs +3.4% perplexity by GPTQ, +11.8% by RTN (smollm2-135m, BENCHMARKS.md)
+        from llmcompress.io.surgery import untie_output_
+        from llmcompress.quant.plan import QuantConfig
+
+        head_fqn = untie_output_(model)
+        plan[head_fqn] = QuantConfig(bits=embed_bits, group_size=EMBED_GROUP, method="gptq", sym=True)
     _check_target(model, plan, to)
     info: dict[str, Any] = {"plan": plan.to_dict(), "quant": opts.quant, "notes": notes}
     qweights: dict = {}
-    if len(plan.quantized([n for n, _ in model.named_modules()])):
+    if quantizing or head_fqn is not None:
         if opts.quant == "gptq":
             from llmcompress.quant.gptq import gptq_model_
 
@@ -217,12 +232,17 @@ def quantize_for_export(model, tokenizer, to: str, opts: ExportOptions, progress
             qweights = gptq_model_(model, plan, blocks, progress=progress, act_order=act_order)
         else:
             qweights = quantize_model_(model, plan, progress=progress)
-    if to == "gguf":
-        embed_bits = opts.embed_bits or (EMBED_BITS if qweights else 16)
-        if embed_bits < 16:
-            qweights.update(quantize_embeddings_(model, bits=embed_bits))
-            info["embeddings"] = f"symmetric {embed_bits}-bit, groups of {EMBED_GROUP} (Q{embed_bits}_0)"
+    if embed_bits < 16:
+        qweights.update(quantize_embeddings_(model, bits=embed_bits, skip=set(qweights)))
+        info["embeddings"] = f"symmetric {embed_bits}-bit, groups of {EMBED_GROUP} (Q{embed_bits}_0)"
+        if head_fqn is not None:
+            info["embeddings"] += f"; output matrix untied, its own {embed_bits}-bit GPTQ integers"
     return qweights, info
+
+
+def _is_tied(model) -> bool:
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return head is not None and head.weight.data_ptr() == emb.weight.data_ptr()
 
 
 def export_model(src: str, to: str, out: Path, opts: ExportOptions | None = None, *, overwrite: bool = False,

@@ -207,7 +207,8 @@ class LayerRunner:
     def _load(self, names: list[str]) -> None:
         """Read the tensors `names` from their files into the skeleton (on the device, in the compute dtype).
         Each file is opened for this call only: an open safetensors handle keeps its memory map, and the
-        pages read through it would stay resident (and counted) until it closes."""
+        pages read through it would stay resident (and counted) until it closes. (Opening it per tensor
+        instead gave a higher peak in one run each, 1.34 vs 1.28 GB: bench_stream.py gelaco-stream, 2026-12-06.)"""
         from accelerate.utils import set_module_tensor_to_device
         from safetensors import safe_open
 
@@ -223,6 +224,17 @@ class LayerRunner:
                     dtype = (value.dtype if keep else self.dtype) if value.is_floating_point() else None
                     set_module_tensor_to_device(self.model, name, self.device, value=value, dtype=dtype)
                     del value
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """The parameter `name` (a model FQN) as `layer` would load it (compute dtype, on the device), read
+        from its file on its own: the file is opened for this tensor only, so nothing else stays mapped."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[self.keys[name]]), framework="pt", device="cpu") as h:
+            value = h.get_tensor(self.keys[name])
+        if value.is_floating_point() and self.dtype is not None and not self._keep_source_dtype(name, value):
+            value = value.to(self.dtype)
+        return value.to(self.device)
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.adapter.layers}.{i}."

@@ -120,3 +120,16 @@ def shared_copy(model: nn.Module) -> nn.Module:
     memo = {id(t): t for t in model.parameters()}
     memo.update({id(t): t for t in model.buffers()})
     return copy.deepcopy(model, memo)
+
+
+def untie_output_(model) -> str:
+    """Give a tied output matrix its own copy of the weights, in place (the config says untied, text config
+    included); returns the head's module FQN."""
+    import torch
+
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for cfg in {id(c): c for c in (model.config, text)}.values():
+        cfg.tie_word_embeddings = False
+    return next(n for n, m in model.named_modules() if m is head)

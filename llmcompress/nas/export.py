@@ -220,14 +220,10 @@ def pad_qweights(model, qweights: dict[str, QuantizedWeight], intermediate: int)
 
 def untied(model):
     """A shallow copy of a tied `model` whose lm_head has its own copy of the weight (tie_word_embeddings off)."""
-    from llmcompress.io.surgery import shared_copy
+    from llmcompress.io.surgery import shared_copy, untie_output_
 
     new = shared_copy(model)
-    head = new.get_output_embeddings()
-    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-    new.config.tie_word_embeddings = False
-    if hasattr(new.config, "get_text_config"):
-        new.config.get_text_config().tie_word_embeddings = False
+    untie_output_(new)
     return new
 
 
