@@ -213,7 +213,7 @@ def quantize_for_export(model, tokenizer, to: str, opts: ExportOptions, progress
     head_fqn = None
     if opts.separate_output and opts.quant == "gptq" and embed_bits < 16 and _is_tied(model):
         # the output matrix gets its own GPTQ integers (calibrated on the final hidden states), the embedding
-        # keeps RTN: a 4-bit head costs +3.4% perplexity by GPTQ, +11.8% by RTN (smollm2-135m, BENCHMARKS.md)
+        # keeps RTN: a 4-bit embedding + head costs +5.1% perplexity this way, +11.8% by RTN (smollm2-135m, BENCHMARKS.md)
         from llmcompress.io.surgery import untie_output_
         from llmcompress.quant.plan import QuantConfig
 
