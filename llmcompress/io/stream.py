@@ -2,8 +2,8 @@
 
 The model's skeleton is built with accelerate's `init_empty_weights` (parameters on the meta device take no
 memory; buffers such as rotary frequencies stay real). The token embedding, final norm and head are read
-from the checkpoint's safetensors files once; each decoder layer's tensors are read (plain reads, `read_safetensors`)
-when the layer runs over the whole calibration batch, then put back on the meta device. At
+from the checkpoint's safetensors files once; each decoder layer's tensors are read (safetensors `safe_open`,
+memory-mapped) when the layer runs over the whole calibration batch, then put back on the meta device. At
 any time memory holds the runtime, the embedding and head, one layer and the batch's hidden states.
 
 Why a runner here and not accelerate's disk offload (`device_map=..., offload_folder=...`): offload hooks
@@ -205,25 +205,34 @@ class LayerRunner:
                 and torch.finfo(value.dtype).bits < torch.finfo(self.dtype).bits)
 
     def _load(self, names: list[str]) -> None:
-        """Read the tensors `names` from their files into the skeleton (on the device, in the compute dtype),
-        one tensor at a time with plain reads (`read_safetensors`)."""
+        """Read the tensors `names` from their files into the skeleton (on the device, in the compute dtype).
+        Each file is opened for this call only: an open safetensors handle keeps its memory map, and the
+        pages read through it would stay resident (and counted) until it closes. Tried and not kept
+        (bench_stream.py gelaco-stream, 2026-12-06, one run each): opening the file per tensor (peak 1.34 vs
+        1.26-1.28 GB) and plain reads without a memory map (1.27 GB, wall 170 vs 132 s)."""
         from accelerate.utils import set_module_tensor_to_device
+        from safetensors import safe_open
 
         by_file: dict[Path, list[str]] = {}
         for name in names:
             by_file.setdefault(self.files[self.keys[name]], []).append(name)
         for f, group in by_file.items():
-            for name, value in zip(group, read_safetensors(f, [self.keys[n] for n in group])):
-                # an explicit dtype always: with None, accelerate casts to the skeleton's (compute) dtype
-                keep = self._keep_source_dtype(name, value)
-                dtype = (value.dtype if keep else self.dtype) if value.is_floating_point() else None
-                set_module_tensor_to_device(self.model, name, self.device, value=value, dtype=dtype)
-                del value
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                for name in group:
+                    value = h.get_tensor(self.keys[name])
+                    # an explicit dtype always: with None, accelerate casts to the skeleton's (compute) dtype
+                    keep = self._keep_source_dtype(name, value)
+                    dtype = (value.dtype if keep else self.dtype) if value.is_floating_point() else None
+                    set_module_tensor_to_device(self.model, name, self.device, value=value, dtype=dtype)
+                    del value
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """The parameter `name` (a model FQN) as `layer` would load it (compute dtype, on the device), read
-        from its file on its own."""
-        value = next(read_safetensors(self.files[self.keys[name]], [self.keys[name]]))
+        from its file on its own: the file is opened for this tensor only, so nothing else stays mapped."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[self.keys[name]]), framework="pt", device="cpu") as h:
+            value = h.get_tensor(self.keys[name])
         if value.is_floating_point() and self.dtype is not None and not self._keep_source_dtype(name, value):
             value = value.to(self.dtype)
         return value.to(self.device)
@@ -403,39 +412,6 @@ def _mmap_large_tensors(runner) -> None:
         fn(_M_MMAP_THRESHOLD, _STREAM_MMAP_THRESHOLD)
     _LIVE_RUNNERS += 1
     runner._release = weakref.finalize(runner, _restore_mmap_threshold, _GLIBC_MMAP_THRESHOLD_MAX)
-
-
-_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
-              "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-
-
-def read_safetensors(path: Path, keys: list[str]):
-    """Yield the tensors `keys` of the safetensors file `path`, in that order, each read into its own buffer.
-
-    Written by hand because safetensors reads through a memory map: the file pages a read touches stay
-    resident, and counted, while the handle is open, so loading a layer held its stored bytes next to their
-    widened copy (about 0.09 GB more peak RSS per layer of the 1.7B benchmark model). Plain reads keep
-    one tensor's bytes at most. The format (little-endian): an 8-byte header length, a JSON header of
-    name -> dtype, shape, data_offsets, then the data."""
-    import struct
-
-    import torch
-
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        for key in keys:
-            meta = header[key]
-            dtype = getattr(torch, _ST_DTYPES[meta["dtype"]])
-            start, end = meta["data_offsets"]
-            if end == start:
-                yield torch.empty(meta["shape"], dtype=dtype)
-                continue
-            buf = bytearray(end - start)
-            f.seek(8 + n + start)
-            if f.readinto(buf) != len(buf):
-                raise UserError(f"{path} is truncated (tensor {key})", "re-download or re-save the checkpoint")
-            yield torch.frombuffer(buf, dtype=dtype).reshape(meta["shape"])
 
 
 def _index(path: Path) -> dict[str, Path]:
