@@ -234,10 +234,10 @@ def goals(res: Results, names: list[str]) -> list[str]:
     for n in names:
         r = res.get(n)
         if n.startswith(("rtn4", "gptq4")) and base.get("decode_tokens_per_s") and r.get("decode_tokens_per_s"):
-            ok_b = r["bytes"] <= shipped.get("bytes", 0)
+            limit = shipped.get("bytes", 98.4e6)  # the shipped Q4_1 file's bytes when it was not run here
             sp = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-            out.append(f"{n}: {r['bytes'] / 1e6:.1f} MB vs shipped {shipped['bytes'] / 1e6:.1f} MB: "
-                       f"{'met' if ok_b else 'MISSED'}; decode {sp:.2f}× bf16 (goal ≥ 1.8×): {'met' if sp >= 1.8 else 'MISSED'}")
+            out.append(f"{n}: {r['bytes'] / 1e6:.1f} MB vs shipped {limit / 1e6:.1f} MB: "
+                       f"{'met' if r['bytes'] <= limit else 'MISSED'}; decode {sp:.2f}× bf16 (goal ≥ 1.8×): {'met' if sp >= 1.8 else 'MISSED'}")
     for n in names:
         r = res.get(n)
         if r.get("ppl/wikitext2/llama.cpp") and r.get("ppl/wikitext2/torch"):
