@@ -24,7 +24,7 @@ def export_command(
     calib_data: Annotated[Optional[str], typer.Option("--calib-data", help="GPTQ calibration data (default: as nas, wikitext2 valid).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Random seed (calibration blocks).")] = 0,
     embed_bits: Annotated[Optional[int], typer.Option("--embed-bits", help="gguf: token embedding / output matrix as 8 (Q8_0) | 4 (Q4_0) | 16 (source dtype) (default: 8 when quantizing).")] = None,
-    separate_output: Annotated[bool, typer.Option("--separate-output", help="gguf: also write a tied output matrix as its own output.weight, which llama.cpp repacks for its fast CPU matmul (a second copy: +16 MB at Q4_0 for smollm2-135m).")] = False,
+    separate_output: Annotated[bool, typer.Option("--separate-output", help="gguf: also write a tied output matrix as its own output.weight, which llama.cpp repacks for its fast CPU matmul (a second copy: +16 MB at Q4_0 for smollm2-135m); with --quant gptq it gets its own GPTQ integers.")] = False,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     max_memory: MaxMemoryOpt = None,
