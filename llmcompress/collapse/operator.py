@@ -26,26 +26,35 @@ def merge_tensors(base: torch.Tensor, others: Sequence[torch.Tensor], alphas: Se
     if len(others) != len(alphas):
         raise ValueError("one alpha per merged tensor")
     out = base.detach().clone()
-    for other, a in zip(others, alphas):
-        if a != 0.0:
-            out.add_(other.detach() - base.detach(), alpha=float(a))
+    _accumulate_(out, lambda: base, [lambda o=o: o for o in others], alphas)
     return out
 
 
-def merge_into_(target: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor],
-                alpha: Mapping[str, float], kind_of) -> None:
-    """One merged layer's step, in place: target[name] += alpha[kind] * (other[name] - base[name]) for every
-    floating tensor (kind_of maps a parameter name to its kind; "other" follows "mlp"; a zero coefficient
-    skips the tensor, so a dropped layer changes nothing). Starting from a copy of `base` and applying the
-    merged layers in order is `merge_tensors` per tensor, bit for bit; the streamed path (collapse/stream.py)
-    thus holds the leader, the result and one source at a time, whatever the group's size."""
+def _accumulate_(out: torch.Tensor, base, others, alphas: Sequence[float]) -> None:
+    """out += alpha_j (other_j - base) for j in order, skipping zero coefficients. `base` and `others` are
+    callables, so a tensor read from disk is read only when its coefficient is non-zero, and `base` once."""
+    b = None
+    for other, a in zip(others, alphas):
+        if a != 0.0:
+            b = base().detach() if b is None else b
+            out.add_(other().detach() - b, alpha=float(a))
+
+
+def merge_group_(target: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], others: Sequence[Mapping[str, torch.Tensor]],
+                 alphas: Sequence[Mapping[str, float]], kind_of) -> None:
+    """Merge a group in place: `target` starts as a copy of the leader's tensors `base`; `others[j]` holds layer
+    j+1's tensors and `alphas[j]` its coefficient per module kind (kind_of maps a parameter name to its kind;
+    "other" follows "mlp"). Per floating tensor, `merge_tensors`'s arithmetic, bit for bit. The mappings are
+    only indexed, one tensor at a time, so they may read lazily: the streamed path (collapse/stream.py)
+    holds the result, one leader tensor and one source tensor, whatever the group's size."""
+    if len(others) != len(alphas):
+        raise ValueError("one alpha mapping per merged layer")
     for name, t in target.items():
         if not t.is_floating_point():
             continue
         kind = kind_of(name)
-        a = float(alpha[kind if kind in KINDS else "mlp"])
-        if a != 0.0:
-            t.add_(other[name].detach() - base[name].detach(), alpha=a)
+        kind = kind if kind in KINDS else "mlp"
+        _accumulate_(t, lambda n=name: base[n], [lambda o=o, n=name: o[n] for o in others], [float(a[kind]) for a in alphas])
 
 
 def collapse_group(layers: Sequence[nn.Module], alphas: Sequence[Mapping[str, float]], kind_of) -> nn.Module:
@@ -53,15 +62,11 @@ def collapse_group(layers: Sequence[nn.Module], alphas: Sequence[Mapping[str, fl
     layer j+1. A group of one returns the layer itself."""
     if len(layers) == 1:
         return layers[0]
-    if len(layers) - 1 != len(alphas):
-        raise ValueError("one alpha mapping per merged layer")
     import torch
 
     new = copy.deepcopy(layers[0])
     with torch.no_grad():
-        target, base = new.state_dict(), layers[0].state_dict()
-        for layer, alpha in zip(layers[1:], alphas):
-            merge_into_(target, base, layer.state_dict(), alpha, kind_of)
+        merge_group_(new.state_dict(), layers[0].state_dict(), [layer.state_dict() for layer in layers[1:]], alphas, kind_of)
     return new
 
 

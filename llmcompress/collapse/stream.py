@@ -1,25 +1,24 @@
 """A collapse candidate run layer by layer over an `io.stream.LayerRunner` (models larger than memory).
 
 `CollapsedRunner(runner, cand)` has the LayerRunner interface with the candidate's groups as its layers:
-`layer(g)` builds group g's collapsed layer from its source layers with the operator's own `merge_into_`
-(streamed: the leader loaded from the safetensors files and merged in place, the other sources read one
-tensor at a time) and yields it; `run(g, layer, h)` runs it at
+`layer(g)` builds group g's collapsed layer from its source layers with the operator's own arithmetic
+(streamed: the leader loaded from the safetensors files and merged in place, `merge_group_`, the other
+sources read one tensor at a time; in memory: `collapse_group`) and yields it; `run(g, layer, h)` runs it at
 the position of its leader. So the engines written against a LayerRunner (`io.stream.boundary_walk`,
 `streamed_nll`) score a candidate unchanged, and the fitness (collapse/fitness.py) runs a candidate's suffix
 one group at a time over every calibration block. At any time memory holds the resident embedding and head,
 one decoder layer (a group's leader, merged in place) and, while it is built, a few single tensors.
 
-A source layer merged with every coefficient 0 (dropped) is never read: `merge_into_` skips a zero
+A source layer merged with every coefficient 0 (dropped) is never read: the merge skips a zero
 coefficient, so the merged tensors are the same without it.
 """
 
 from __future__ import annotations
 
-import copy
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
-from llmcompress.collapse.operator import merge_into_
+from llmcompress.collapse.operator import collapse_group, merge_group_
 from llmcompress.collapse.space import Candidate
 
 if TYPE_CHECKING:
@@ -69,42 +68,26 @@ class CollapsedRunner:
 
     @contextmanager
     def layer(self, g: int):
-        """Group g's collapsed layer (its leader itself for a group of one), merged one source at a time with
-        `merge_into_` (the arithmetic of `collapse_group`, so the values equal the in-memory build). Streamed:
-        the leader, loaded fresh, is merged in place, reading its original values and each source one tensor
-        at a time (one layer and a few tensors resident); in memory: a copy of the leader."""
+        """Group g's collapsed layer (its leader itself for a group of one), with the operator's arithmetic
+        (`merge_group_`, so the values equal the in-memory build). Streamed: the leader, loaded fresh, is
+        merged in place, the leader's original values and the other sources read one tensor at a time (one
+        layer and a few tensors resident); in memory: `collapse_group` on the resident layers."""
         grp = self.cand.groups[g]
-        if len(grp) == 1:
-            with self.runner.layer(grp[0]) as layer:
-                yield layer
-            return
-        import torch
+        needed = read_sources(self.cand, g)  # a dropped layer (every coefficient 0) is never read
+        if len(grp) > 1 and self.runner.streamed:
+            import torch
 
-        needed = read_sources(self.cand, g)[1:]
-        pairs = [(i, a) for i, a in zip(grp[1:], self.cand.alpha_dicts(g)) if i in needed]  # a dropped layer is never read
-        kind_of = self.runner.adapter.kind_of
-        if self.runner.streamed:
-            # the leader is loaded fresh from its files and merged in place; the leader's original values and
-            # each source are read one tensor at a time: a group costs one layer and a tensor or two
+            pairs = [(i, a) for i, a in zip(grp[1:], self.cand.alpha_dicts(g)) if i in needed]
             with self.runner.layer(grp[0]) as built:
                 with torch.no_grad():
-                    target = built.state_dict()
-                    for i, alpha in pairs:
-                        merge_into_(target, _Tensors(self.runner, grp[0]), _Tensors(self.runner, i), alpha, kind_of)
-                    del target
+                    merge_group_(built.state_dict(), _Tensors(self.runner, grp[0]), [_Tensors(self.runner, i) for i, _ in pairs],
+                                 [a for _, a in pairs], self.runner.adapter.kind_of)
                 yield built
             return
-        with self.runner.layer(grp[0]) as leader, torch.no_grad():
-            built = copy.deepcopy(leader)
-            target, base = built.state_dict(), leader.state_dict()
-            for i, alpha in pairs:
-                with self.runner.layer(i) as src:
-                    merge_into_(target, base, src.state_dict(), alpha, kind_of)
-            del target, base
-        try:
-            yield built
-        finally:
-            del built
+        with ExitStack() as stack:  # in memory (or a group of one): entering a layer loads nothing
+            loaded = {i: stack.enter_context(self.runner.layer(i)) for i in needed}
+            sources = [loaded.get(i, loaded[grp[0]]) for i in grp]  # a dropped layer: the leader stands in (coefficient 0)
+            yield collapse_group(sources, self.cand.alpha_dicts(g), self.runner.adapter.kind_of)
 
     def run(self, g: int, layer, hidden: torch.Tensor) -> torch.Tensor:
         return self.runner.run(self.cand.groups[g][0], layer, hidden)

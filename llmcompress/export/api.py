@@ -190,7 +190,7 @@ def quantize_embeddings_(model, bits: int = EMBED_BITS, group_size: int = EMBED_
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
     fqn_of = {id(m): n for n, m in model.named_modules()}
-    mods = [emb] + ([head] if head is not None and head.weight.data_ptr() != emb.weight.data_ptr() else [])
+    mods = [emb] + ([head] if head is not None and not _is_tied(model) else [])
     for mod in mods:
         if fqn_of[id(mod)] in skip:  # already quantized (a GPTQ output matrix)
             continue

@@ -220,10 +220,7 @@ class LayerRunner:
             with safe_open(str(f), framework="pt", device="cpu") as h:
                 for name in group:
                     value = h.get_tensor(self.keys[name])
-                    # an explicit dtype always: with None, accelerate casts to the skeleton's (compute) dtype
-                    keep = self._keep_source_dtype(name, value)
-                    dtype = (value.dtype if keep else self.dtype) if value.is_floating_point() else None
-                    set_module_tensor_to_device(self.model, name, self.device, value=value, dtype=dtype)
+                    set_module_tensor_to_device(self.model, name, self.device, value=value, dtype=self._dtype_for(name, value))
                     del value
 
     def read_tensor(self, name: str) -> torch.Tensor:
@@ -233,9 +230,17 @@ class LayerRunner:
 
         with safe_open(str(self.files[self.keys[name]]), framework="pt", device="cpu") as h:
             value = h.get_tensor(self.keys[name])
-        if value.is_floating_point() and self.dtype is not None and not self._keep_source_dtype(name, value):
-            value = value.to(self.dtype)
-        return value.to(self.device)
+        dtype = self._dtype_for(name, value)
+        if dtype is None and value.is_floating_point():  # as accelerate casts it: to the skeleton's dtype
+            dtype = self.model.get_parameter(name).dtype
+        return value.to(device=self.device, dtype=dtype)
+
+    def _dtype_for(self, name: str, value) -> torch.dtype | None:
+        """The dtype a floating tensor is loaded in: the checkpoint's where `_keep_source_dtype`, else the
+        compute dtype (None: accelerate casts it to the skeleton's); None for integer tensors."""
+        if not value.is_floating_point():
+            return None
+        return value.dtype if self._keep_source_dtype(name, value) else self.dtype
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.adapter.layers}.{i}."
