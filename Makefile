@@ -38,8 +38,16 @@ test-fast: install
 demo: install
 	$(BIN)/llmcompress collapse --pareto
 
+# llama-cpp-python compiles llama.cpp for this CPU. Where the CPU reports AMX, ggml's AMX kernels can die with
+# SIGILL on quantized GGUFs (llmcompress/export/README.md, Known limits), so they are compiled out there;
+# a CMAKE_ARGS of your own is passed on after these flags.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+ifneq ($(shell grep -m1 -ow amx_int8 /proc/cpuinfo 2>/dev/null),)
+RUNTIME_CMAKE_ARGS ?= -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
+endif
+
 bench: install
-	$(BIN)/python -m pip install -q -e ".[runtime]"
+	CMAKE_ARGS="$(RUNTIME_CMAKE_ARGS) $$CMAKE_ARGS" $(BIN)/python -m pip install -q -e ".[runtime]"
 	$(BIN)/python bench/bench_eval.py
 	$(BIN)/python bench/bench_collapse.py
 	$(BIN)/python bench/bench_distill.py

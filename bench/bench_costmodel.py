@@ -7,7 +7,8 @@ fewer layers by dropping the last layers but the final one, as `collapse` drops 
 (decode time does not depend on the values), Q8_0 embedding when any linear is quantized, as `export` writes
 them. Measures each file's decode seconds per token in llama-cpp-python (prompt 32, then 32 tokens one at a
 time; every round runs every file once, rotated order, median of --repeats rounds after a warm-up;
-OMP_WAIT_POLICY=PASSIVE) and compares three cost models against it, side by side:
+OpenMP wait policy as set in the environment: unset on an idle machine, OMP_WAIT_POLICY=PASSIVE on a shared one;
+the figures of 2026-12-05/06 in BENCHMARKS.md were taken with PASSIVE) and compares three cost models against it, side by side:
 
     measured  nas/measured.py: probe GGUFs timed in llama.cpp on this machine, NNLS per (type, shape); absolute
     analytic  nas/cost.py: bytes per decoded token, relative to dense; scaled by the measured BF16 file's time
@@ -27,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_runtime import (  # also sets OMP_WAIT_POLICY=PASSIVE before llama.cpp loads
+from bench_runtime import (  # (OMP_WAIT_POLICY=default there means unset)
     ROOT,
     cpu_model,
     load_average,
@@ -198,7 +199,7 @@ def main() -> None:
     lines = [f"# Cost models vs llama.cpp decode time, smollm2-135m ({time.strftime('%Y-%m-%d')})", "",
              f"Command: `python bench/bench_costmodel.py` ({time.time() - t0:.0f} s). Machine: {cpu_model()}, "
              f"{os.cpu_count()} cores, {threads} threads, llama-cpp-python {_version()}, OMP_WAIT_POLICY="
-             f"{os.environ.get('OMP_WAIT_POLICY', '')}. Decode: prompt {M.PROMPT}, then {M.DECODE} tokens one at a time, "
+             f"{os.environ.get('OMP_WAIT_POLICY', 'default')}. Decode: prompt {M.PROMPT}, then {M.DECODE} tokens one at a time, "
              f"{args.stat} of {args.repeats} interleaved rounds (median in brackets); timed {t_timing}, load average {load_before} -> {load_after}.",
              f"Latency table (measured model): {len(table['probes'])} probe GGUFs of {table['key']['probe_layers']} and "
              f"{max(1, table['key']['probe_layers'] // 2)} layers (version {table['key']['version']}), timed {table['measured_at']} at load {table['load_average']}, "

@@ -20,7 +20,9 @@ held-out calibration blocks for its validated step, and is evaluated the same wa
   searched on the dense model with half the gradient steps, then the validated step);
 * joint: the gradient search (proxy-initialised logits), then the validated step with --refine-evals;
 * joint, 0 steps: the ablation proxy + repair/upgrade + validated step (no gradient phase);
-* joint, kappa 0: the ablation with equal starting logits.
+* joint, kappa 0: the ablation with equal starting logits;
+* joint, measured init: 0 steps, the bit logits started from each linear's measured KL (`bits_init:
+  measured`, nas/sensitivity.linear_kl) instead of the proxy, on the search's own calibration blocks.
 
 Metrics: held-out calibration KL (what the validated steps optimise), WikiText-2 raw test perplexity on the
 first --eval-tokens tokens (windows of 512), tinyshakespeare (last 10 %) perplexity and per-token KL to the
@@ -84,26 +86,12 @@ def llamacpp_plan(space, costs, targets, base):
 
 
 def measure_table(model, space, bank, blocks):
-    """KL of every linear quantized alone at every bit width (the rest float), on `blocks`."""
-    import torch
+    """KL of every linear quantized alone at every bit width (the rest float), on `blocks`, keyed "i.j.k"
+    (nas/sensitivity.linear_kl, the table `bits_init: measured` starts joint from)."""
+    from llmcompress.nas.sensitivity import linear_kl
 
-    from llmcompress.nas.sensitivity import mean_kl, reference_logp
-    from llmcompress.progress import track
-
-    ref = reference_logp(model, blocks)
-    mods = dict(model.named_modules())
-    table = {}
-    items = [(i, j) for i in range(space.n_layers) for j in range(len(space.linears))]
-    for i, j in track(items, "per-linear KL table"):
-        lin = mods[space.fqn(i, space.linears[j])]
-        saved = lin.weight.detach().clone()
-        for k in range(len(space.bits)):
-            with torch.no_grad():
-                lin.weight.copy_(bank.dequant(i, j, k))
-            table[f"{i}.{j}.{k}"] = mean_kl(model, blocks, ref)
-        with torch.no_grad():
-            lin.weight.copy_(saved)
-    return table
+    t = linear_kl(model, space, blocks, bank)
+    return {f"{i}.{j}.{k}": float(t[i, j, k]) for i in range(t.shape[0]) for j in range(t.shape[1]) for k in range(t.shape[2])}
 
 
 def knapsack_plan(space, table, target):
@@ -309,11 +297,12 @@ def main() -> None:
                                                               {"seconds": t_table, "evaluations": len(table),
                                                                "tokens_per_evaluation": a.measure_blocks * a.table_tokens})
             runs = {"joint": cfg, "joint, 0 steps (proxy + repair)": dataclasses.replace(cfg, search_steps=0),
-                    "joint, kappa 0": dataclasses.replace(cfg, init_kappa=0.0)}
+                    "joint, kappa 0": dataclasses.replace(cfg, init_kappa=0.0),
+                    "joint, measured init": dataclasses.replace(cfg, search_steps=0, bits_init="measured")}
             for name, c in runs.items():
                 if not wanted(name):
                     continue
-                out = a.work / f"run_s{seed}_t{target}_{name.split(',')[0]}_{c.grad_steps}_{c.init_kappa}"
+                out = a.work / f"run_s{seed}_t{target}_{name.split(',')[0]}_{c.grad_steps}_{c.init_kappa}_{c.bits_init}"
                 out.mkdir(parents=True, exist_ok=True)
                 for p in out.glob("*"):
                     p.unlink()

@@ -43,11 +43,11 @@ from pathlib import Path
 
 os.environ.setdefault("LLMCOMPRESS_PROGRESS", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# llama-cpp-python's wheel builds ggml with OpenMP, whose threads spin at every barrier: on cores shared with
-# other work, 2 threads then decode ~25x slower than 1 (measured 0.97 vs 25.6 tok/s at load 6 on 2 cores).
-# Passive waiting (threads sleep at barriers) keeps the timings meaningful on a shared machine; it is read when
-# llama.cpp's OpenMP runtime loads, so it is set before the first import. Override with OMP_WAIT_POLICY=ACTIVE.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# llama-cpp-python's wheel builds ggml with OpenMP. Timed as users run it: OMP_WAIT_POLICY unset (libgomp's
+# threads spin a while at each barrier, then sleep). On an idle 2-core EPYC that is the fastest policy (2-thread
+# decode of the bf16 GGUF 90 tok/s, vs 85 spinning and 41 sleeping, 2026-12-06). On cores shared with other work
+# spinning threads are ~25x slower (0.97 vs 25.6 tok/s at load 6): there set OMP_WAIT_POLICY=PASSIVE (threads
+# sleep at barriers). It is read when llama.cpp's OpenMP runtime loads, so it must be set before this script runs.
 
 from llmcompress.runtime import cpu_model, load_average  # noqa: E402  (re-exported to bench_costmodel)
 
@@ -190,7 +190,7 @@ def speed_all(res: Results, names: list[str], args) -> None:
         one = llamacpp_speed(r["path"], threads=1)
         r["prefill_tokens_per_s_1t"], r["decode_tokens_per_s_1t"] = one["prefill_tokens_per_s"], one["decode_tokens_per_s"]
         r["load_average"] = f"{before} -> {load_average()}"
-        r["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "")
+        r["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "default")
         r["timed_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         res.save()
         print(f"{name}: prefill {r['prefill_tokens_per_s']:.1f} tok/s, decode {r['decode_tokens_per_s']:.1f} tok/s "
@@ -304,7 +304,7 @@ def main() -> None:
     md = [
         "# GGUF exports in llama.cpp vs torch (bench/bench_runtime.py)", "",
         f"Machine: {cpu_model()}, {os.cpu_count()} cores; {args.threads} threads; llama-cpp-python "
-        f"{_llama_cpp_version()} (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}); perplexity: first {args.max_tokens} WikiText-2 test tokens, windows of {args.seq_len}.",
+        f"{_llama_cpp_version()} (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}); perplexity: first {args.max_tokens} WikiText-2 test tokens, windows of {args.seq_len}.",
         "", table(res, names, args), "", "Goals:", "", *[f"- {g}" for g in goals(res, names)], "",
         "Timings (load average before -> after each model's speed run):", "",
         *[f"- {n}: {res.get(n).get('timed_at', '-')}, load {res.get(n).get('load_average', '-')}" for n in names], "",

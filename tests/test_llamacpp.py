@@ -128,3 +128,26 @@ def test_llamacpp_perplexity_matches_torch_on_an_exported_gguf(tmp_path, bpe_tok
     assert cpp_row["decode_tokens_per_s"] > 0 and cpp_row["prefill_tokens_per_s"] > 0
     assert cpp_row["disk_bytes"] == gguf_path.stat().st_size
 
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_amx_build_is_named_once_before_the_first_load(amx, monkeypatch, capsys):
+    """A natively built llama.cpp with AMX can die with SIGILL on quantized GGUFs (export/README.md, Known limits);
+    the signal kills the process, so the rebuild hint must be on stderr before any file is loaded, and only once."""
+    import types
+
+    from llmcompress.eval import llamacpp as L
+
+    info = b"CPU : SSE3 = 1 | AVX512 = 1 | AMX_INT8 = %d | REPACK = 1 |" % int(amx)
+    loads = []
+    fake = types.SimpleNamespace(llama_print_system_info=lambda: info, Llama=lambda **kw: loads.append(kw) or "llm")
+    monkeypatch.setattr(L, "_warned_amx", False)
+    monkeypatch.setattr(L, "require_llama_cpp", lambda: fake)
+    assert L.open_gguf("a.gguf", n_ctx=8, threads=1) == "llm"
+    assert L.open_gguf("b.gguf", n_ctx=8, threads=1) == "llm"
+    err = capsys.readouterr().err
+    assert len(loads) == 2
+    if amx:
+        assert err.count("AMX_INT8 = 1") == 1 and "-mno-amx-int8" in err
+    else:
+        assert err == ""

@@ -134,3 +134,55 @@ def test_calibrated_proxy_predicts_kl_and_restores_model(setup):
             p.copy_(saved[n])
     assert predicted / 4 < measured < predicted * 4
     assert torch.all(sens.skip > 0)
+
+
+def test_linear_kl_is_the_measured_kl_of_each_linear_alone_and_starts_the_bit_logits(setup):
+    """`linear_kl` is, entry by entry, the KL that the validated step measures for the plan with that one linear
+    at that width (the rest float); it restores every weight; and `bits_init: measured` starts the bit logits
+    from it (the calibrated proxy would give other values: a wrong wiring fails the ratio check)."""
+    import dataclasses
+
+    from llmcompress.nas import search as SR
+    from llmcompress.nas.qbank import build_bank
+    from llmcompress.nas.refine import arch_kl
+    from llmcompress.nas.supernet import Supernet
+
+    model, cfg, space, _ = setup
+    with torch.no_grad():
+        before = model(input_ids=IDS[:2], use_cache=False).logits
+    bank = build_bank(model, space, "rtn", progress=False)
+    net = Supernet(model, space, bank)
+    blocks = IDS[:2]
+    table = S.linear_kl(model, space, blocks, bank)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=IDS[:2], use_cache=False).logits, before, rtol=0, atol=0)
+    ref = S.reference_logp(model, blocks)
+    k16 = space.bits.index(16)
+    for i, j, k in [(0, 0, 0), (1, 6, 1), (3, 2, 2), (2, 4, 0)]:
+        a = Arch.dense(space, k16)
+        a.bits[i][j] = k
+        assert float(table[i, j, k]) == pytest.approx(arch_kl(model, net, a, blocks, ref), rel=1e-4, abs=1e-9)
+    assert torch.all(table[..., k16] == 0) and torch.all(table[..., 0] > table[..., k16 - 1])
+    c = dataclasses.replace(cfg, bits_init="measured", sensitivity_blocks=8)  # its // 4 = 2 blocks: `blocks`
+    SR._INIT_MEMO.clear()
+    got = SR.initial_logits(model, net, c, IDS[:8])["bits"]
+    quantized = table[..., :k16] > 0
+    ratio = got[..., :k16][quantized] / table[..., :k16][quantized]
+    assert float(ratio.max()) < 0 and float(ratio.min()) == pytest.approx(float(ratio.max()), rel=1e-5)
+    proxy = SR.initial_logits(model, net, dataclasses.replace(cfg, sensitivity_blocks=8), IDS[:8])["bits"]
+    assert not torch.allclose(proxy, got)
+
+
+def test_init_logits_keep_the_order_of_errors_far_above_the_scale(setup):
+    """Repair lowers the choice losing the least logit per unit of cost: errors thousands of times the scale
+    must stay ordered (a floor on the logits made them tie, and ties went to layer 0, the costliest skip)."""
+    model, cfg, space, costs = setup
+    L, nl, nb = space.n_layers, len(space.linears), len(space.bits)
+    bits = torch.linspace(1, 0, nb).expand(L, nl, nb).clone()  # scale: the middle width's error, ~0.5
+    skip = torch.tensor([1e9, 1e6, 1e4, 1e7])  # layer 2 is the cheapest to skip by far
+    logits = S.init_logits(S.Sensitivity(bits, torch.zeros(L, len(space.widths)), skip))
+    assert torch.all(logits["keep"][:, 0].argsort() == (-skip).argsort())
+    arch = Arch.dense(space, len(space.bits) - 1)
+    one_skip = costs.metrics(apply_move(arch, ("skip", 2, None)))["latency"] + 1e-6
+    out = repair(space, arch, logits, costs, {"latency": one_skip}, kinds={"skip"})
+    assert out.keep == [True, True, False, True]

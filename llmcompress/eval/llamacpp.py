@@ -17,6 +17,7 @@ when llama.cpp loads) avoids it. It is left to the user: on idle cores spinning 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,9 +44,34 @@ def require_llama_cpp():
     return llama_cpp
 
 
+AMX_WARNING = (
+    "warning: this llama-cpp-python was built with AMX (llama_print_system_info: AMX_INT8 = 1); on CPUs that lose "
+    "the AMX tile state, Q4_0/Q4_1/Q8_0 GGUFs then die with SIGILL on prompts of 2 or more tokens. If that happens, "
+    "rebuild it without AMX: CMAKE_ARGS=\"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
+    "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" pip install --no-cache-dir --force-reinstall "
+    "llama-cpp-python (llmcompress/export/README.md, Known limits)"
+)
+_warned_amx = False
+
+
+def warn_if_amx_build(llama_cpp) -> bool:
+    """Print AMX_WARNING on stderr once per process when llama.cpp was built with its AMX kernels; True if so.
+
+    The crash itself kills the process (SIGILL), so the hint has to come before it."""
+    global _warned_amx
+    info = llama_cpp.llama_print_system_info()
+    info = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+    amx = "AMX_INT8 = 1" in info
+    if amx and not _warned_amx:
+        _warned_amx = True
+        print(AMX_WARNING, file=sys.stderr, flush=True)
+    return amx
+
+
 def open_gguf(path: str | Path, *, n_ctx: int, threads: int | None = None, logits_all: bool = False):
     """A llama_cpp.Llama on the CPU, quiet, with `threads` threads for both prefill and decode."""
     llama_cpp = require_llama_cpp()
+    warn_if_amx_build(llama_cpp)
     threads = threads or default_threads()
     try:
         return llama_cpp.Llama(

@@ -80,6 +80,11 @@ class NasConfig:
         init_kappa: logits start at -init_kappa * (proxy error of the choice) / (median 4-bit error), from
             a diagonal-Hessian proxy on `sensitivity_blocks` calibration blocks (0 = all logits start equal;
             needs search_steps > 0).
+        bits_init: what the bit-width logits start from: proxy (the diagonal-Hessian proxy, each layer's
+            share scaled by one measured KL per layer and level: 2 forwards per layer) or measured (the KL of
+            each linear quantized alone at each width, the rest float: one forward per linear and quantized
+            width, on the same sensitivity_blocks // 4 blocks; repair is then a greedy knapsack on measured
+            KL). Architecture choices (skip, width) and the head start from their calibrated KL either way.
         sequential_splits: the oracle split of `sequential`: stage 1 (architecture at full precision) is run
             with its latency/size target at each of these fractions of dense, and the validated step keeps
             the best plan (nas/search.py:search_sequential).
@@ -130,6 +135,7 @@ class NasConfig:
     gptq_blocks: int = 128
     gptq_act_order: bool = True
     init_kappa: float = 2.0
+    bits_init: str = "proxy"
     sensitivity_blocks: int = 8
     sequential_splits: list[float] = field(default_factory=lambda: [1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
     sequential_quant_aware: bool = True
@@ -205,6 +211,8 @@ class NasConfig:
             if bad:
                 raise UserError(f"--cost-model measured has no llama.cpp type for {bad}-bit layers (no ggml block of 32)",
                                 "search with --bits 4,8,16 (or 4,5,8,16)")
+        if self.bits_init not in BITS_INITS:
+            raise UserError(f"unknown bits_init {self.bits_init!r}", f"use one of {', '.join(BITS_INITS)}")
         if self.quant_method not in {m.value for m in QuantMethod}:
             raise UserError(f"unknown quantization method {self.quant_method!r}", "use rtn or gptq")
         if self.train_tokens < self.seq_len * self.batch_size:
@@ -224,6 +232,8 @@ class NasConfig:
 
             torch_dtype(self.save_dtype)
 
+
+BITS_INITS = ("proxy", "measured")
 
 # Valid values of the numeric fields (flag names where the CLI has one, spec keys otherwise); cross-field
 # checks (target bits within the bit widths, tokens for one batch) are in NasConfig.validate.

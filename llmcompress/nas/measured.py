@@ -20,7 +20,9 @@ model matter: with 4-layer probes (version 1) the weights stayed in cache, every
 whatever its types, and the table underestimated full-depth decode by 14-39%, most for the widest types
 (smollm2-135m, 2026-12-06: MAPE 26%, Spearman 0.73), since a full model streams its weights from memory;
 full-depth probes: MAPE 3.6%, Spearman 0.94 on the same 15 exports (bench/bench_costmodel.py). Each is run in llama-cpp-python (`n_threads` = cores,
-`OMP_WAIT_POLICY=PASSIVE` unless set): a short prompt, then tokens decoded one at a time; the runs are
+OpenMP wait policy as `OMP_WAIT_POLICY` was when llama_cpp was first imported -- libgomp reads it once, at load,
+so setting it later does nothing; unset is libgomp's default, spin then sleep, the fastest on idle cores; set
+PASSIVE on a shared machine -- recorded in the table's key): a short prompt, then tokens decoded one at a time; the runs are
 interleaved across probes (round r times every probe once, in a rotated order), so drifting load hits all
 alike, and each probe's time is the fastest of `repeats` (7) rounds after a warm-up round (`stat`; on a
 shared machine the rounds are bimodal, quiet or 2-3x slower, so the median is whichever mode dominated;
@@ -267,7 +269,8 @@ def table_key(cfg, ftype: str, threads: int, layers: int = PROBE_LAYERS, stat: s
             "build": runtime_build(),
             "shapes": sorted(set(model_shapes(cfg).values())), "vocab": int(cfg.vocab_size), "float": ftype,
             "tied": bool(getattr(cfg, "tie_word_embeddings", False)), "probe_layers": layers,
-            "protocol": f"prompt {PROMPT}, decode {DECODE}, {stat} of {repeats} interleaved rounds", "version": VERSION}
+            "protocol": f"prompt {PROMPT}, decode {DECODE}, {stat} of {repeats} interleaved rounds", "version": VERSION,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default")}
 
 
 def cache_path(key: dict) -> Path:
@@ -291,7 +294,6 @@ def measure_table(cfg, tokenizer, *, ftype: str = "BF16", threads: int | None = 
                   stat: str = STAT) -> dict:
     """The latency table of `cfg`'s shapes on this machine (cached; see the module docstring)."""
     require_runtime()
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from llmcompress.export.api import EMBED_BITS, EMBED_GROUP
     from llmcompress.io.atomic import write_json
     from llmcompress.quant import primitives as P
@@ -357,7 +359,6 @@ def measure_gguf(path: Path, *, threads: int | None = None, repeats: int = REPEA
     from llmcompress.runtime import default_threads
 
     require_runtime()
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     llms = open_llms({"m": Path(path)}, threads or default_threads(), PROMPT + DECODE)
     try:
         return summarize(time_decode(llms, repeats=repeats, progress=False)["m"], stat)

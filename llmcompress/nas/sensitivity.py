@@ -40,10 +40,11 @@ class Sensitivity:
     head: torch.Tensor | None = None  # (n_head_bits,) measured KL of the head alone at each width (calibrate)
 
     def scale(self) -> float:
-        """Typical magnitude: the median error of the choice nearest 4 bits (positive)."""
+        """Typical magnitude: the median positive error of the middle bit width (index n_bits // 2: 5 bits of
+        2,3,4,5,6,8,16; 8 of 4,5,8,16). Only gradient steps see it: repair, upgrade and argmax are invariant to it."""
 
         b = self.bits
-        col = min(range(b.shape[-1]), key=lambda k: abs(k - b.shape[-1] // 2))
+        col = b.shape[-1] // 2
         v = b[..., col].flatten()
         v = v[v > 0]
         return float(v.median()) if len(v) else 1.0
@@ -224,14 +225,49 @@ def head_kl(model, space: SearchSpace, blocks: torch.Tensor, bank: QuantBank, re
     return out
 
 
-def init_logits(sens: Sensitivity, kappa: float = 2.0, cap: float = 1e4) -> dict[str, torch.Tensor]:
-    """Architecture logits `-kappa * error / scale` (clamped at -cap); keep vs skip as [-skip, 0]."""
+def linear_kl(model, space: SearchSpace, blocks: torch.Tensor, bank: QuantBank, ref: list[torch.Tensor] | None = None,
+              batch: int = 2) -> torch.Tensor:
+    """(L, n_linears, n_bits) KL to the teacher with one linear at one of the bank's widths, every other weight
+    as it is (float): one forward over `blocks` per linear and quantized width (a float width is 0 without
+    one). Each weight is restored. `bits_init: measured` starts the bit logits from it, and the benchmark's
+    per-linear knapsack baseline (bench/bench_nas.py) solves on it."""
+    import torch
+
+    from llmcompress.progress import track
+
+    ref = ref if ref is not None else reference_logp(model, blocks, batch)
+    mods = dict(model.named_modules())
+    out = torch.zeros(space.n_layers, len(space.linears), len(space.bits))
+    items = [(i, j) for i in range(space.n_layers) for j in range(len(space.linears))]
+    for i, j in track(items, "per-linear KL", total=len(items)):
+        W = mods[space.fqn(i, space.linears[j])].weight
+        saved = W.detach().clone()
+        try:
+            for k in range(len(space.bits)):
+                if (i, j, k) not in bank.entries:  # a float width: the weight as it is
+                    continue
+                with torch.no_grad():
+                    W.copy_(bank.dequant(i, j, k))
+                out[i, j, k] = mean_kl(model, blocks, ref, batch)
+        finally:
+            with torch.no_grad():
+                W.copy_(saved)
+    return out
+
+
+def init_logits(sens: Sensitivity, kappa: float = 2.0) -> dict[str, torch.Tensor]:
+    """Architecture logits `-kappa * error / scale`; keep vs skip as [-skip, 0].
+
+    Not clamped: repair and upgrade compare logit differences per unit of cost, so a floor would make every
+    choice beyond it tie, and ties go to the first candidate. (A floor at -1e4 did that on smollm2-135m
+    with bits 4,5,8,16: every skip and every 4/5-bit logit sat on it, and a latency target skipped layers
+    0-6 in index order, held-out KL 8.05, instead of the layers whose measured skip KL is lowest.)"""
     import torch
 
     s = sens.scale()
 
     def f(t):
-        return (-kappa * t / s).clamp(min=-cap)
+        return -kappa * t / s
 
     keep = torch.stack([f(sens.skip), torch.zeros_like(sens.skip)], dim=-1)
     out = {"keep": keep, "width": f(sens.width), "bits": f(sens.bits)}
@@ -240,4 +276,4 @@ def init_logits(sens: Sensitivity, kappa: float = 2.0, cap: float = 1e4) -> dict
     return out
 
 
-__all__ = ["Sensitivity", "calibrate", "head_kl", "init_logits", "input_moments", "mean_kl", "measure", "reference_logp", "weighted_error"]
+__all__ = ["Sensitivity", "calibrate", "head_kl", "init_logits", "input_moments", "linear_kl", "mean_kl", "measure", "reference_logp", "weighted_error"]
