@@ -47,6 +47,9 @@ def test_existing_out_and_bad_spec(tiny_hf_dir, tmp_path):
     spec = tmp_path / "s.yaml"
     spec.write_text("target_bits: 4\nfoo: 1\n")
     _one_line_error(nas(tiny_hf_dir, "--spec", spec, "--out", tmp_path / "p"), "unknown search-spec key(s): foo")
+    spec.write_text("target_bits: 4\nbits_init: knapsack\n")
+    _one_line_error(nas(tiny_hf_dir, "--spec", spec, "--out", tmp_path / "q"), "unknown bits_init 'knapsack'")
+    assert not (tmp_path / "q").exists()
 
 
 @pytest.mark.requires_data("wikitext2")
