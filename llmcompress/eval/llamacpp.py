@@ -54,24 +54,25 @@ AMX_WARNING = (
 _warned_amx = False
 
 
-def warn_if_amx_build(llama_cpp) -> bool:
-    """Print AMX_WARNING on stderr once per process when llama.cpp was built with its AMX kernels; True if so.
+def system_info() -> str:
+    """llama.cpp's build features (llama_print_system_info: SIMD, AMX, REPACK, OpenMP)."""
+    info = require_llama_cpp().llama_print_system_info()
+    return (info.decode(errors="replace") if isinstance(info, bytes) else str(info)).strip()
 
-    The crash itself kills the process (SIGILL), so the hint has to come before it."""
+
+def warn_if_amx_build() -> None:
+    """Print AMX_WARNING on stderr, once per process, when llama.cpp was built with its AMX kernels: the crash
+    itself kills the process (SIGILL) without a message, so the hint has to come before it."""
     global _warned_amx
-    info = llama_cpp.llama_print_system_info()
-    info = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
-    amx = "AMX_INT8 = 1" in info
-    if amx and not _warned_amx:
+    if not _warned_amx and "AMX_INT8 = 1" in system_info():
         _warned_amx = True
         print(AMX_WARNING, file=sys.stderr, flush=True)
-    return amx
 
 
 def open_gguf(path: str | Path, *, n_ctx: int, threads: int | None = None, logits_all: bool = False):
     """A llama_cpp.Llama on the CPU, quiet, with `threads` threads for both prefill and decode."""
     llama_cpp = require_llama_cpp()
-    warn_if_amx_build(llama_cpp)
+    warn_if_amx_build()
     threads = threads or default_threads()
     try:
         return llama_cpp.Llama(

@@ -77,7 +77,7 @@ class NasConfig:
             export all use the same weights (nas/qbank.py): rtn (round-to-nearest) or gptq (error compensation
             with Hessians of the teacher's inputs on `gptq_blocks` calibration blocks; `gptq_act_order`:
             columns in order of decreasing input energy, static groups). Every mode, uniform included.
-        init_kappa: logits start at -init_kappa * (proxy error of the choice) / (median 4-bit error), from
+        init_kappa: logits start at -init_kappa * (calibrated error of the choice) / (median error of the middle bit width), from
             a diagonal-Hessian proxy on `sensitivity_blocks` calibration blocks (0 = all logits start equal;
             needs search_steps > 0).
         bits_init: what the bit-width logits start from: proxy (the diagonal-Hessian proxy, each layer's

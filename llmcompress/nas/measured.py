@@ -254,19 +254,13 @@ def summarize(samples: list[float], stat: str = STAT) -> float:
     return min(samples) if stat == "min" else statistics.median(samples)
 
 
-def runtime_build() -> str:
-    """llama.cpp's build features (llama_print_system_info: SIMD, AMX, REPACK, OpenMP): two builds of one
-    llama-cpp-python version can run the same GGUF through different kernels, so tables are kept apart."""
-    import llama_cpp
-
-    return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
-
-
 def table_key(cfg, ftype: str, threads: int, layers: int = PROBE_LAYERS, stat: str = STAT, repeats: int = REPEATS) -> dict:
     import llama_cpp
 
+    from llmcompress.eval.llamacpp import system_info
+
     return {"machine": cpu_model(), "cores": os.cpu_count(), "threads": threads, "llama_cpp": llama_cpp.__version__,
-            "build": runtime_build(),
+            "build": system_info(),  # two builds of one version can run a GGUF through different kernels
             "shapes": sorted(set(model_shapes(cfg).values())), "vocab": int(cfg.vocab_size), "float": ftype,
             "tied": bool(getattr(cfg, "tie_word_embeddings", False)), "probe_layers": layers,
             "protocol": f"prompt {PROMPT}, decode {DECODE}, {stat} of {repeats} interleaved rounds", "version": VERSION,

@@ -162,10 +162,8 @@ def initial_logits(model, net: Supernet, cfg: NasConfig, blocks: torch.Tensor) -
 
     calib = blocks[: cfg.sensitivity_blocks]
     sens = sensitivity.measure(model, net.space, calib, net.bank)
-    few = calib[: max(1, cfg.sensitivity_blocks // 4)]
-    sens = sensitivity.calibrate(model, net.space, few, sens, net.bank)
-    if cfg.bits_init == "measured":
-        sens.bits = sensitivity.linear_kl(model, net.space, few, net.bank)
+    sens = sensitivity.calibrate(model, net.space, calib[: max(1, cfg.sensitivity_blocks // 4)], sens, net.bank,
+                                 bits_init=cfg.bits_init)
     _INIT_MEMO.clear()
     _INIT_MEMO[key] = sensitivity.init_logits(sens, kappa=cfg.init_kappa)
     return {k: v.clone() for k, v in _INIT_MEMO[key].items()}

@@ -135,20 +135,11 @@ def mean_kl(model, blocks, ref_logp, batch: int = 2) -> float:
     return total / max(n, 1)
 
 
-def calibrate(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity, bank: QuantBank | None = None, batch: int = 2) -> Sensitivity:
-    """Put the three kinds of choice in one unit, the logit KL to the teacher, by measuring it: per layer,
-    all its linears at ~4 bits and at the lowest bits (scale that layer's bit proxies; the proxy splits the
-    layer's KL between its linears), per layer its MLP at ~half width (scales that layer's width proxies),
-    and each layer skipped on its own (replaces the skip proxy). 4L + 1 forwards over `blocks`. Weights and
-    hooks are restored. (One global scale per kind is not enough: the first layers, which create the
-    residual stream's massive activations, have proxies orders of magnitude off.)"""
+def _bit_factors(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity, bank: QuantBank, ref, batch: int) -> torch.Tensor:
+    """(L, n_bits) measured-KL / proxy factors of each layer's bit proxies (see `calibrate`)."""
     import torch
 
-    from llmcompress.nas.qbank import build_bank
-
-    bank = bank if bank is not None else build_bank(model, space, "rtn", progress=False)
     layers = get_adapter(model).decoder_layers(model)
-    ref = reference_logp(model, blocks, batch)
     # bits: per layer, all its linears quantized at once, at ~4 bits and at the lowest width (errors
     # compound superlinearly there); within a layer the proxy splits the measured KL between the linears;
     # factors in between are interpolated geometrically, above ~4 bits the 4-bit factor holds
@@ -177,6 +168,30 @@ def calibrate(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity
                 factor[i, k] = torch.exp(lo + (hi - lo) * k / kb)
             elif k > kb:
                 factor[i, k] = factor[i, kb]
+    return factor
+
+
+def calibrate(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity, bank: QuantBank | None = None, batch: int = 2,
+              bits_init: str = "proxy") -> Sensitivity:
+    """Put the three kinds of choice in one unit, the logit KL to the teacher, by measuring it: per layer,
+    all its linears at ~4 bits and at the lowest bits (scale that layer's bit proxies; the proxy splits the
+    layer's KL between its linears), per layer its MLP at ~half width (scales that layer's width proxies),
+    and each layer skipped on its own (replaces the skip proxy). 4L + 1 forwards over `blocks`. Weights and
+    hooks are restored. (One global scale per kind is not enough: the first layers, which create the
+    residual stream's massive activations, have proxies orders of magnitude off.) With `bits_init`
+    "measured" the bit sensitivities are `linear_kl` instead (each linear alone at each width), and the
+    per-layer bit scaling is not run."""
+    import torch
+
+    from llmcompress.nas.qbank import build_bank
+
+    bank = bank if bank is not None else build_bank(model, space, "rtn", progress=False)
+    layers = get_adapter(model).decoder_layers(model)
+    ref = reference_logp(model, blocks, batch)
+    if bits_init == "measured":
+        bits = linear_kl(model, space, blocks, bank, ref, batch)
+    else:
+        bits = sens.bits * _bit_factors(model, space, blocks, sens, bank, ref, batch)[:, None, :]
     kw = min(range(len(space.widths)), key=lambda k: abs(space.widths[k] - space.intermediate / 2))
     # width, one layer at a time
     w = space.widths[kw]
@@ -199,7 +214,6 @@ def calibrate(model, space: SearchSpace, blocks: torch.Tensor, sens: Sensitivity
             skip[i] = mean_kl(model, blocks, ref, batch)
         finally:
             h.remove()
-    bits = sens.bits * factor[:, None, :]
     width = sens.width * wfac[:, None]
     return Sensitivity(bits, width, skip, head_kl(model, space, blocks, bank, ref, batch) if space.head_bits else None)
 
