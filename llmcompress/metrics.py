@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
 
 
@@ -57,15 +59,21 @@ def topk_kl(logp_q: torch.Tensor, top_idx: torch.Tensor, top_logp: torch.Tensor)
     return head + p_tail * (p_tail.log() - q_tail.log())
 
 
-def block_influence(states: list[torch.Tensor]) -> list[float]:
+def block_influence(states: Iterable[torch.Tensor]) -> list[float]:
     """ShortGPT's Block Influence per layer: 1 - mean cosine(input, output) over all tokens.
 
     Args:
-        states: L+1 tensors (..., H), states[i] the input of layer i (io.forward.boundary_states).
+        states: L+1 tensors (..., H) in order, states[i] the input of layer i (io.forward.boundary_states); any
+            iterable, so states read one at a time are never all held.
     """
     import torch.nn.functional as F
 
-    return [float(1.0 - F.cosine_similarity(a.float(), b.float(), dim=-1).mean()) for a, b in zip(states[:-1], states[1:])]
+    scores, prev = [], None
+    for s in states:
+        if prev is not None:
+            scores.append(float(1.0 - F.cosine_similarity(prev.float(), s.float(), dim=-1).mean()))
+        prev = s
+    return scores
 
 
 def update_tensor_digest(h, t: torch.Tensor, label: str = "") -> None:

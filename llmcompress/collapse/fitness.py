@@ -66,8 +66,8 @@ def update_cosine(h_in: torch.Tensor, h_ref: torch.Tensor, h_new: torch.Tensor) 
     return F.cosine_similarity((h_ref - h_in).float(), (h_new - h_in).float(), dim=-1).mean()
 
 
-def block_influence(states: list[torch.Tensor]) -> list[float]:
-    """ShortGPT's Block Influence per layer: 1 - mean cos(h_in, h_out) over tokens."""
+def block_influence(states) -> list[float]:
+    """ShortGPT's Block Influence per layer: 1 - mean cos(h_in, h_out) over tokens (any iterable of states)."""
     from llmcompress import metrics
 
     return metrics.block_influence(states)
@@ -80,44 +80,74 @@ STATES_PREFIX = "collapse-states-"  # spilled boundary states: one temp dir per 
 
 
 class StateStore:
-    """Boundary hidden states, (n, T, H) per boundary, kept in memory or memory-mapped from disk.
+    """Boundary hidden states, (n, T, H) per boundary, kept in memory or spilled to disk.
 
-    States computed on a GPU stay there while they fit `max_bytes`; spilled ones live on the host's disk
-    and `get` brings the rows asked for back to `device` (the device the states were computed on).
+    States computed on a GPU stay there while they fit `max_bytes`. Spilled ones are one safetensors file per
+    boundary in a temporary folder on the host's disk (`spill=True`, or more than `max_bytes` in all), and
+    `get` reads only the rows asked for, with a plain read that leaves nothing mapped: a spilled store adds
+    one read's rows to the process's memory at a time, not every boundary (a memory map's touched pages would
+    stay resident and count, as they did here before). `add` appends a boundary, so a streamed reference
+    spills each state as it passes instead of holding them all first. Rows come back on `device` (the
+    device the states were computed on).
     """
 
-    def __init__(self, states: list[torch.Tensor], max_bytes: float, cache_dir: Path | None = None, device=None) -> None:
+    def __init__(self, states=(), max_bytes: float = float("inf"), cache_dir: Path | None = None, device=None,
+                 spill: bool | None = None) -> None:
         import torch
 
+        states = list(states)
         total = sum(s.numel() * s.element_size() for s in states)
         self.device = device if device is not None else (states[0].device if states else torch.device("cpu"))
-        self.on_disk = total > max_bytes
-        self._dir = None
-        if self.on_disk:
-            self._dir = Path(tempfile.mkdtemp(prefix=STATES_PREFIX, dir=cache_dir))
-            self._states = []
-            for i, s in enumerate(states):
-                path = self._dir / f"b{i}.pt"
-                with atomic_path(path) as tmp:
-                    torch.save(s.cpu().contiguous(), tmp)
-                self._states.append(torch.load(path, mmap=True, weights_only=True))
-        else:
-            self._states = states
-        self.nbytes = total
+        self.on_disk = total > max_bytes if spill is None else spill
+        self.folder = Path(tempfile.mkdtemp(prefix=STATES_PREFIX, dir=cache_dir)) if self.on_disk else None
+        self._states: list = []  # in memory: the tensors; spilled: their files
+        self.nbytes = 0
+        for s in states:
+            self.add(s)
+
+    def add(self, state: torch.Tensor) -> None:
+        """Append the next boundary's states (spilled: written to disk now, nothing kept in memory)."""
+        from safetensors.torch import save_file
+
+        self.nbytes += state.numel() * state.element_size()
+        if not self.on_disk:
+            self._states.append(state)
+            return
+        path = self.folder / f"b{len(self._states)}.safetensors"
+        with atomic_path(path) as tmp:
+            save_file({"s": state.detach().cpu().contiguous()}, str(tmp))
+        self._states.append(path)
 
     def __len__(self) -> int:
         return len(self._states)
 
     def get(self, i: int, rows: slice) -> torch.Tensor:
-        return self._states[i][rows].to(self.device)
+        if not self.on_disk:
+            return self._states[i][rows].to(self.device)
+        from safetensors import safe_open
+
+        with safe_open(str(self._states[i]), framework="pt") as f:
+            return f.get_slice("s")[rows].to(self.device)
+
+    def __iter__(self):
+        """Every boundary's states in order, one read at a time (a spilled store holds one in memory)."""
+        return (self.get(i, slice(None)) for i in range(len(self)))
+
+    def first(self, n: int) -> StateStore:
+        """The first n rows of every boundary, without a copy: views in memory; a spilled store is shared
+        (its files read only the rows asked for; a reference of n blocks never asks for more)."""
+        if self.on_disk:
+            return self
+        return StateStore([s[:n] for s in self._states], device=self.device)
 
     def all(self) -> list[torch.Tensor]:
-        return self._states
+        """Every boundary's states as tensors (a spilled store reads them all into memory)."""
+        return self._states if not self.on_disk else list(self)
 
     def close(self) -> None:
-        if self._dir is not None:
+        if self.folder is not None:
             self._states = []
-            shutil.rmtree(self._dir, ignore_errors=True)
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @dataclass
@@ -169,12 +199,14 @@ def build_reference_streamed(runner, blocks, *, topk: int, stride: int, max_byte
 
     from llmcompress.io.stream import boundary_walk
 
-    states: list[torch.Tensor] = []  # each boundary joined as it passes (never a second copy of them all)
+    # each boundary joined as it passes (never a second copy of them all); a streamed model is above the memory
+    # budget, so its states go to disk as they pass too (a 70B model's would be tens of GB)
+    store = StateStore(cache_dir=cache_dir, device=runner.device, spill=True) if runner.streamed else None
+    states: list[torch.Tensor] = []
 
     def on_layer(i, inputs, outputs):
-        if i == 0:
-            states.append(torch.cat(inputs))
-        states.append(torch.cat(outputs))
+        for s in ([inputs] if i == 0 else []) + [outputs]:
+            states.append(torch.cat(s)) if store is None else store.add(torch.cat(s))
 
     last = boundary_walk(runner, blocks, on_layer, description=f"reference {label} (streamed)".replace("  ", " "))
     idx, lp = [], []
@@ -184,7 +216,8 @@ def build_reference_streamed(runner, blocks, *, topk: int, stride: int, max_byte
         idx.append(i_)
         lp.append(v)
         del logp
-    store = StateStore(states, max_bytes, cache_dir)
+    if store is None:
+        store = StateStore(states, max_bytes, cache_dir, device=runner.device)
     return Reference(blocks, store, torch.cat(idx), torch.cat(lp), stride, label)
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmcompress.collapse.fitness import Evaluator, Reference, StateStore
+from llmcompress.collapse.fitness import Evaluator, Reference
 from llmcompress.collapse.parallel import evaluate_many, is_main
 from llmcompress.collapse.space import Candidate, Space
 
@@ -134,8 +134,7 @@ def add_screen(ev: Evaluator, blocks: int) -> None:
     n = max(1, min(blocks, calib.n_blocks))
     if SCREEN in ev.refs and ev.refs[SCREEN].n_blocks == n:
         return
-    states = StateStore([s[:n] for s in calib.states.all()], float("inf"), device=calib.states.device)
-    ev.refs[SCREEN] = Reference(calib.blocks[:n], states, calib.top_idx[:n], calib.top_logp[:n], calib.stride, "screen")
+    ev.refs[SCREEN] = Reference(calib.blocks[:n], calib.states.first(n), calib.top_idx[:n], calib.top_logp[:n], calib.stride, "screen")
     ev.split_batch[SCREEN] = 1  # racing checks its bound after every block
     ev.memo = {k: v for k, v in ev.memo.items() if k[0] != SCREEN}
 
