@@ -347,8 +347,8 @@ def test_distill_act_grad_bad_values_exit_2_in_one_line(args, needle, tmp_path, 
 
 
 def test_act_grad_factored_is_refused_under_torchrun_before_anything_is_written(tmp_path):
+    from llmcompress.dist import DistInfo
     from llmcompress.distill import DistillConfig
-    from llmcompress.distill.dist import DistInfo
     from llmcompress.distill.engine import distill
     from llmcompress.errors import UserError
 

@@ -131,7 +131,7 @@ def distill_command(
     from llmcompress.cli._errors import note_output
 
     note_output(out)
-    from llmcompress.distill.dist import from_env, shutdown
+    from llmcompress.dist import from_env, shutdown
     from llmcompress.distill.engine import distill
     from llmcompress.distill.run import BEFORE_PPL, TEACHER_PPL
     from llmcompress.eval.report import WIKITEXT2_PPL

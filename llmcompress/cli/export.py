@@ -31,7 +31,9 @@ def export_command(
     overwrite: OverwriteOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
-    """Quantize a model (RTN or GPTQ, or a nas plan) and write GGUF or compressed-tensors."""
+    """Quantize a model (RTN or GPTQ, or a nas plan) and write GGUF or compressed-tensors. Under torchrun, GPTQ's
+    linears are spread over the ranks and rank 0 writes."""
+    from llmcompress.dist import from_env, leave
     from llmcompress.export.api import ExportOptions, export_model
     from llmcompress.io.stream import parse_memory
     from llmcompress.runtime import resolve_compute
@@ -41,7 +43,14 @@ def export_command(
     opts = ExportOptions(bits=bits, quant=quant, group_size=group_size, sym=sym, plan=plan, save_dtype=save_dtype,
                          calib_source=calib_data, seed=seed, embed_bits=embed_bits,
                          separate_output=separate_output)
-    summary = export_model(model, to, out, opts, overwrite=overwrite, device=dev, dtype=dt, max_memory=budget)
+    opts.validate(to)  # a bad option fails before the process group is joined
+    info = from_env(dev.type)
+    try:
+        summary = export_model(model, to, out, opts, overwrite=overwrite, device=dev, dtype=dt, max_memory=budget)
+    finally:
+        leave(info)  # no barrier: the other ranks are done once the integers are exchanged
+    if not info.is_main:
+        return
     if as_json:
         typer.echo(json.dumps(summary, indent=2, default=str))
         return

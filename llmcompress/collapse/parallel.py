@@ -10,24 +10,7 @@ rank 0 writes files. Single process stays the default; torch.distributed is join
 
 from __future__ import annotations
 
-from llmcompress.distill.dist import DistInfo, from_env, shutdown
-
-
-def world() -> DistInfo:
-    """This process's rank and the world size (world 1 when torch.distributed is not initialized)."""
-    import sys
-
-    if "torch.distributed" not in sys.modules:
-        return DistInfo()
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return DistInfo()
-    return DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_backend())
-
-
-def is_main() -> bool:
-    return world().is_main
+from llmcompress.dist import world
 
 
 def evaluate_many(ev, cands: list, split: str = "calib", prune_for=None, on_result=None) -> list:
@@ -75,4 +58,4 @@ def evaluate_many(ev, cands: list, split: str = "calib", prune_for=None, on_resu
     return out
 
 
-__all__ = ["DistInfo", "evaluate_many", "from_env", "is_main", "shutdown", "world"]
+__all__ = ["evaluate_many"]

@@ -90,7 +90,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
             from its layers read one group at a time (collapse/stream.py); coefficient tuning and PIQA,
             which need the whole model, are skipped with a notice.
     """
-    from llmcompress.collapse.parallel import from_env
+    from llmcompress.dist import from_env, leave
     from llmcompress.runtime import resolve_device
 
     out_dir = Path(out_dir)
@@ -100,11 +100,7 @@ def run_collapse(cfg: CollapseConfig, out_dir: Path, *, overwrite: bool = False,
     try:
         return _run_collapse(Job(cfg, out_dir, overwrite, resume, stop_after, lm=lm, dev=dev, info=info, dtype=dtype, max_memory=max_memory))
     finally:
-        if info.active:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()  # no barrier: the other ranks stop after the search, rank 0 goes on
+        leave(info)  # no barrier: the other ranks stop after the search, rank 0 goes on
 
 
 def _run_collapse(job: Job) -> CollapseResult:
@@ -253,9 +249,9 @@ def _refine_picks(job: Job, picks, seeds, target):
     from llmcompress.collapse import export as E
     from llmcompress.collapse import tune as T
     from llmcompress.collapse.export import solution_record
-    from llmcompress.collapse.parallel import is_main
     from llmcompress.collapse.refine import STATE_FILE, refine
     from llmcompress.collapse.search import make_space, nondominated
+    from llmcompress.dist import is_main
     from llmcompress.progress import bar
 
     cfg, ev, out_dir = job.cfg, job.ev, job.out_dir
@@ -346,7 +342,8 @@ def _run(job: Job) -> CollapseResult:
             seeds = [c for c in seeds if all(a == 0.0 for g in c.alphas for t in g for a in t)]
         # every seed enters the evaluator's archive, even those beyond the population size, so the
         # selection below can never pick worse (on calibration) than a baseline at the same layer count
-        from llmcompress.collapse.parallel import evaluate_many, world
+        from llmcompress.collapse.parallel import evaluate_many
+        from llmcompress.dist import world
 
         evaluate_many(ev, seeds)
         with bar(f"collapse {cfg.method}", total=cfg.generations + 1) as b:

@@ -34,8 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from llmcompress.collapse.fitness import Evaluator, Reference
-from llmcompress.collapse.parallel import evaluate_many, is_main
+from llmcompress.collapse.parallel import evaluate_many
 from llmcompress.collapse.space import Candidate, Space
+from llmcompress.dist import is_main
 
 SCREEN = "screen"
 STATE_FILE = "refine_state.json"

@@ -306,7 +306,7 @@ def run_search(
     """
     from pymoo.termination.max_gen import MaximumGenerationTermination
 
-    from llmcompress.collapse.parallel import is_main
+    from llmcompress.dist import is_main
     from llmcompress.io.atomic import append_jsonl, write_json
 
     main = is_main()  # under torchrun only rank 0 writes; every rank takes the same steps

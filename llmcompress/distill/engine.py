@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmcompress.dist import DistInfo
 from llmcompress.distill import curriculum as cur
 from llmcompress.distill import losses
 from llmcompress.distill.cache import (
@@ -36,7 +37,6 @@ from llmcompress.distill.cache import (
     torch_dtype,
 )
 from llmcompress.distill.config import DistillConfig, Mode
-from llmcompress.distill.dist import DistInfo
 from llmcompress.distill.plan import load_blocks, plan_student, prepare_out
 from llmcompress.distill.run import BEFORE_PPL, TEACHER_PPL, Run, eval_ppl
 from llmcompress.distill.segments import (

@@ -6,8 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from llmcompress.dist import DistInfo
 from llmcompress.distill.config import DistillConfig
-from llmcompress.distill.dist import DistInfo
 from llmcompress.distill.segments import (
     bi_keep,
     layer_map_from_keep,

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmcompress.dist import DistInfo
 from llmcompress.distill.cache import FeatureCache
 from llmcompress.distill.config import DistillConfig
-from llmcompress.distill.dist import DistInfo
 from llmcompress.distill.segments import Segment
 from llmcompress.eval.report import STUDENT_BEFORE, TEACHER, WIKITEXT2_PPL, role_key
 from llmcompress.io.atomic import append_jsonl, write_json

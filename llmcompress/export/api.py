@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmcompress.dist import world
 from llmcompress.errors import UserError
 
 if TYPE_CHECKING:
@@ -303,6 +304,12 @@ def export_streamed(src: str, path: Path, out: Path, opts: ExportOptions, *, ove
                                "act_order": act_order}
     float_dtype = opts.save_dtype or source_dtype_of_spec(src)
     summary: dict[str, Any] = {"format": to, "source": src, "float_dtype": float_dtype, **info}
+    if not world().is_main:  # under torchrun: quantize this rank's share of the GPTQ linears; rank 0 writes
+        if blocks is not None:
+            from llmcompress.quant.gptq import gptq_layerwise_
+
+            gptq_layerwise_(runner, plan, blocks, act_order=act_order, sink=lambda i, q: None, progress=False)
+        return summary
     res = write_compressed_tensors_streamed(runner, tok, out, plan=plan, quant=opts.quant, blocks=blocks, act_order=act_order,
                                             float_dtype=float_dtype, manifest_extra={"export": summary}, overwrite=overwrite,
                                             progress=progress)
@@ -334,11 +341,13 @@ def export_loaded(lm, to: str, out: Path, opts: ExportOptions, *, overwrite: boo
     dtype = opts.save_dtype or source_dtype_of(lm)
     if qweights is None:
         qweights, info = quantize_for_export(model, tok, to, opts, progress=progress)
-    if next(model.parameters()).device.type != "cpu":  # the writers read tensors from host memory
-        model.to("cpu")
     info = dict(info or {})
     summary: dict[str, Any] = {"format": to, "source": lm.source, "float_dtype": dtype,
                                "parameters": sum(p.numel() for p in model.parameters()), **info}
+    if not world().is_main:  # under torchrun: the other ranks' share (GPTQ linears) is done; rank 0 writes
+        return summary
+    if next(model.parameters()).device.type != "cpu":  # the writers read tensors from host memory
+        model.to("cpu")
     if to == "gguf":
         from llmcompress.export.gguf import write_gguf
 

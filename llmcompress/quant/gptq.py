@@ -145,10 +145,38 @@ def layer_hessians(runner, i: int, layer: nn.Module, fqns: list[str], hidden: li
 INPUTS = ("dense", "quantized")
 
 
+def assign_linears(shapes: dict[str, tuple[int, int]], world_size: int) -> list[list[str]]:
+    """The linears (FQN -> weight shape (out, in)) each of `world_size` ranks quantizes: longest job first,
+    each to the least loaded rank, by GPTQ's cost (the Cholesky, in^3, plus the column sweep, out * in^2).
+    Deterministic (ties go to the lower rank, then the planned order), so every rank computes the same split."""
+    load = [0] * world_size
+    out: list[list[str]] = [[] for _ in range(world_size)]
+    order = sorted(shapes, key=lambda f: -(shapes[f][1] ** 3 + shapes[f][0] * shapes[f][1] ** 2))  # stable: ties keep order
+    for fqn in order:
+        r = min(range(world_size), key=lambda k: (load[k], k))
+        out[r].append(fqn)
+        load[r] += shapes[fqn][1] ** 3 + shapes[fqn][0] * shapes[fqn][1] ** 2
+    return out
+
+
+def _exchange(got: dict, info) -> dict:
+    """Every rank's integers of this layer on every rank (torch.distributed all-gather of Python objects)."""
+    import torch.distributed as dist
+
+    parts: list = [None] * info.world_size
+    dist.all_gather_object(parts, got)
+    return {fqn: qw for part in parts for fqn, qw in part.items()}
+
+
 def gptq_layerwise_(runner, plan: MixedPrecisionPlan, blocks: torch.Tensor, *, act_order: bool = False, inputs: str = "dense",
                     sink=None, progress: bool = True) -> dict[str, QuantizedWeight]:
     """GPTQ one decoder layer at a time over a `io.stream.LayerRunner` (in memory or streamed from disk):
     only the current layer's Hessians exist at any time.
+
+    Under torchrun (torch.distributed initialized) every rank runs each layer's forward and Hessians (the same
+    arithmetic), quantizes only its share of the layer's linears (`assign_linears`: GPTQ's cost dominates the
+    forward) and the integers are all-gathered before the next layer, so every rank ends with all of them,
+    equal bit for bit to one process with the same threads (tests/test_gptq_dist.py).
 
     inputs: "dense": each layer's inputs come from the unquantized previous layers (the Hessians, hence the
     integers, equal those of one pass of the unquantized model: `input_hessians`); "quantized": from the
@@ -159,6 +187,7 @@ def gptq_layerwise_(runner, plan: MixedPrecisionPlan, blocks: torch.Tensor, *, a
     """
     import torch
 
+    from llmcompress.dist import world
     from llmcompress.io.stream import return_freed_memory
     from llmcompress.progress import track
     from llmcompress.quant.apply import QuantizedWeight
@@ -173,26 +202,33 @@ def gptq_layerwise_(runner, plan: MixedPrecisionPlan, blocks: torch.Tensor, *, a
     if outside:
         raise ValueError(f"GPTQ layer by layer covers decoder linears only; the plan also names {outside[0]}")
     out: dict[str, QuantizedWeight] = {}
+    info = world()
     hidden = runner.embed(blocks)
     steps = range(runner.n_layers)
     for i in track(steps, "quantizing (GPTQ, layer by layer)", total=len(steps)) if progress else steps:
         mine = [f for f in targets if f.startswith(prefixes[i])]
         with runner.layer(i) as layer:
             outs, hessians = layer_hessians(runner, i, layer, mine, hidden)
+            linears = {fqn: layer.get_submodule(fqn[len(prefixes[i]):]) for fqn in mine}
+            share = set(assign_linears({f: tuple(m.weight.shape) for f, m in linears.items()}, info.world_size)[info.rank])
             got = {}
             for fqn in mine:
-                cfg = targets[fqn]
-                lin = layer.get_submodule(fqn[len(prefixes[i]):])
-                # popped: a Hessian is freed once its last linear is quantized (q/k/v share one), not at the layer's end
-                q, s, z = gptq_quantize(lin.weight.data, hessians.pop(fqn), cfg.bits, cfg.group_size, act_order=act_order, sym=cfg.sym)
-                qw = QuantizedWeight(q.cpu(), s.cpu(), z.cpu(), cfg.bits, cfg.group_size, cfg.sym)
-                del q, s, z
-                with torch.no_grad():
-                    lin.weight.copy_(qw.dequantize(lin.weight.dtype).to(lin.weight.device))
-                got[fqn] = qw
+                h = hessians.pop(fqn)  # popped: a Hessian is freed once its last linear is done (q/k/v share one)
+                if fqn not in share:
+                    continue
+                cfg, lin = targets[fqn], linears[fqn]
+                q, s, z = gptq_quantize(lin.weight.data, h, cfg.bits, cfg.group_size, act_order=act_order, sym=cfg.sym)
+                got[fqn] = QuantizedWeight(q.cpu(), s.cpu(), z.cpu(), cfg.bits, cfg.group_size, cfg.sym)
+                del q, s, z, h
                 if runner.streamed:
                     return_freed_memory()
             del hessians
+            if info.active:
+                got = _exchange(got, info)
+            for fqn in mine:  # the weights become their dequantized values (after the exchange: every rank's share)
+                lin = linears[fqn]
+                with torch.no_grad():
+                    lin.weight.copy_(got[fqn].dequantize(lin.weight.dtype).to(lin.weight.device))
             if inputs == "quantized" and mine:
                 outs = [runner.run(i, layer, h) for h in hidden]
             if sink is not None:  # while the layer is loaded: a writer can take its other tensors too
@@ -240,4 +276,4 @@ def gptq_model_(model: nn.Module, plan: MixedPrecisionPlan, blocks: torch.Tensor
     return out
 
 
-__all__ = ["gptq_layerwise_", "gptq_model_", "gptq_quantize", "input_hessians", "layer_hessians"]
+__all__ = ["assign_linears", "gptq_layerwise_", "gptq_model_", "gptq_quantize", "input_hessians", "layer_hessians"]
