@@ -1,6 +1,6 @@
 """GPTQ export of smollm2-135m in 1 process and in 2 torchrun processes (gloo), side by side (issue 20, item 3).
 
-    python bench/bench_gptq_torchrun.py [--work runs/gptq-torchrun] [--to compressed-tensors] [--bits 4]
+    python bench/bench_gptq_torchrun.py [--work runs/gptq-torchrun] [--to compressed-tensors] [--bits 4] [--group-size 64]
 
 Three runs of the same `llmcompress export smollm2-135m --quant gptq` on the same cores: 1 process with 2
 torch threads (what a user runs without torchrun: the speed baseline), 1 process with 1 thread, and
@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("runs/gptq-torchrun"))
     ap.add_argument("--to", default="compressed-tensors")
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=64, help="64: divides smollm2-135m's 576 (compressed-tensors' default 128 does not)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     one = [sys.executable, "-m", "llmcompress"]
@@ -41,7 +42,8 @@ def main() -> None:
                                     ("2 torchrun processes, 1 thread each", two, 1)]:
         out = args.work / name.replace(" ", "-").replace(",", "")
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [*launcher, "export", "smollm2-135m", "--to", args.to, "--bits", str(args.bits), "--quant", "gptq", "--out", str(out)]
+        cmd = [*launcher, "export", "smollm2-135m", "--to", args.to, "--bits", str(args.bits), "--group-size", str(args.group_size),
+               "--quant", "gptq", "--out", str(out)]
         print(f"{name}: {' '.join(cmd)}", flush=True)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), LLMCOMPRESS_PROGRESS="0")
         t0 = time.perf_counter()
@@ -55,7 +57,7 @@ def main() -> None:
     same = bool(a1["digest"]) and a1["digest"] == b["digest"]
     lines = ["# GPTQ export: 1 process vs 2 torchrun processes (gloo), smollm2-135m", "",
              f"Command: `python bench/bench_gptq_torchrun.py {' '.join(sys.argv[1:])}`; "
-             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; `export --to {args.to} --bits {args.bits} --quant gptq`.", "",
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; `export --to {args.to} --bits {args.bits} --group-size {args.group_size} --quant gptq`.", "",
              "| run | wall s | load at end |", "|---|---:|---:|"]
     lines += [f"| {n} | {r['wall_s']:.0f} | {r['load']:.1f} |" for n, r in res.items()]
     lines += ["", f"Files of 2 processes (1 thread each) equal to 1 process with 1 thread: **{'yes' if same else 'NO'}** "

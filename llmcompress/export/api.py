@@ -153,17 +153,23 @@ def export_plan(model, to: str, opts: ExportOptions) -> tuple[MixedPrecisionPlan
 
 
 def _check_target(model, plan, to: str) -> None:
+    """Refuse, before anything is quantized or written, a plan that `to` cannot store or whose group size does
+    not divide a linear's input width (compressed-tensors' default group of 128 and smollm2-135m's 576)."""
     from llmcompress.quant.apply import linear_fqns
 
-    if to != "gguf":
-        return
-    from llmcompress.export.gguf import ggml_type_name
-
     for fqn, cfg in plan.quantized(linear_fqns(model)).items():
-        try:
-            ggml_type_name(cfg.bits, cfg.sym)
-        except UserError as exc:
-            raise UserError(f"{fqn}: {exc.message}", exc.hint) from None
+        width = model.get_submodule(fqn).in_features
+        if width % cfg.group_size:
+            fits = [g for g in (128, 64, 32) if width % g == 0]
+            raise UserError(f"--group-size {cfg.group_size} does not divide the input width {width} of {fqn}",
+                            f"use --group-size {fits[0]}" if fits else "this model's widths need another group size")
+        if to == "gguf":
+            from llmcompress.export.gguf import ggml_type_name
+
+            try:
+                ggml_type_name(cfg.bits, cfg.sym)
+            except UserError as exc:
+                raise UserError(f"{fqn}: {exc.message}", exc.hint) from None
 
 
 def calibration(tokenizer, opts: ExportOptions):
@@ -296,6 +302,7 @@ def export_streamed(src: str, path: Path, out: Path, opts: ExportOptions, *, ove
     except (OSError, ValueError):
         tok = None
     plan, notes = export_plan(runner.model, to, opts)
+    _check_target(runner.model, plan, to)
     info: dict[str, Any] = {"plan": plan.to_dict(), "quant": opts.quant, "notes": notes, "streamed": True}
     blocks, act_order = None, False
     if opts.quant == "gptq" and len(plan.quantized([n for n, _ in runner.model.named_modules()])):
