@@ -10,7 +10,7 @@ from conftest import TINY_VOCAB, tiny_model
 
 from llmcompress.io.adapters import get_adapter
 from llmcompress.io.forward import boundary_states, run_layers
-from llmcompress.io.surgery import keep_layers, remove_layers, swapped_layers
+from llmcompress.io.surgery import keep_layers, kept_copy, remove_layers, swapped_layers
 
 IDS = torch.randint(3, TINY_VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
 
@@ -67,6 +67,32 @@ def test_removal_equals_fresh_model_with_those_layers(family):
     fresh.load_state_dict(sd)
     remove_layers(model, [0, 2])
     torch.testing.assert_close(logits(model), logits(fresh), rtol=0, atol=0)
+
+
+def test_kept_copy_equals_keep_layers_on_a_copy_and_never_copies_a_dropped_layer(family, monkeypatch):
+    """`kept_copy` (students and derived nas models) is `keep_layers(copy.deepcopy(model), keep)` without the
+    transient whole copy: the dropped layers are never deep-copied, the original is unchanged, and the copy's
+    logits, config, layer_idx and cached generation are those of the in-place removal."""
+    model = tiny_model(family, layers=5)
+    before, config_before = logits(model), model.config.to_dict()
+    ref = keep_layers(copy.deepcopy(model), [0, 2, 4])
+    layers = get_adapter(model).decoder_layers(model)
+
+    def refuse(self, memo):
+        raise AssertionError("a dropped layer was copied")
+
+    for i in (1, 3):
+        monkeypatch.setattr(layers[i], "__deepcopy__", refuse.__get__(layers[i]), raising=False)
+    new = kept_copy(model, [0, 2, 4])
+    assert torch.equal(logits(model), before) and model.config.to_dict() == config_before  # the original is untouched
+    assert len(get_adapter(model).decoder_layers(model)) == 5
+    assert new.config.to_dict() == ref.config.to_dict() and new.config.num_hidden_layers == 3
+    idx = [m.layer_idx for layer in get_adapter(new).decoder_layers(new) for m in layer.modules() if hasattr(m, "layer_idx")]
+    assert idx == [m.layer_idx for layer in get_adapter(ref).decoder_layers(ref) for m in layer.modules() if hasattr(m, "layer_idx")]
+    torch.testing.assert_close(logits(new), logits(ref), rtol=0, atol=0)
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(new.parameters(), model.parameters()))  # a real copy
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(new.generate(IDS[:1, :6], use_cache=True, **kw), new.generate(IDS[:1, :6], use_cache=False, **kw))
 
 
 def test_saved_model_reloads_with_plain_transformers(family, tmp_path):

@@ -7,7 +7,6 @@ side by side. KL(teacher || student) on every position's logits.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from typing import TYPE_CHECKING
@@ -20,12 +19,13 @@ if TYPE_CHECKING:
 
 
 def build_student(run: Run, teacher, keep: list[int] | None):
-    """A removal student (a copy of the teacher with `keep` layers) or the checkpoint in cfg.student."""
+    """A removal student (a copy of the teacher's `keep` layers, the others never copied) or the checkpoint in
+    cfg.student."""
     from llmcompress.io.load import load_model
-    from llmcompress.io.surgery import keep_layers
+    from llmcompress.io.surgery import kept_copy
 
     if keep is not None:
-        return keep_layers(copy.deepcopy(teacher), keep)
+        return kept_copy(teacher, keep)
     return load_model(run.cfg.student, device=run.device).model
 
 

@@ -79,6 +79,20 @@ def keep_layers(model: nn.Module, keep: Sequence[int]) -> nn.Module:
     return replace_layers(model, [current[i] for i in keep], list(keep))
 
 
+def kept_copy(model: nn.Module, keep: Sequence[int]) -> nn.Module:
+    """A deep copy of `model` with only the decoder layers at `keep` (as `keep_layers(copy.deepcopy(model), keep)`),
+    made without ever copying the others: memory holds the original and the kept layers' copy, never a second
+    whole model (a student derived from a 70B teacher). The original is unchanged."""
+    import copy
+
+    current = list(get_adapter(model).decoder_layers(model))
+    bad = [i for i in keep if not 0 <= i < len(current)]
+    if bad:
+        raise UserError(f"layer indices {bad} are out of range for a model with {len(current)} layers", f"use 0..{len(current) - 1}")
+    with swapped_layers(model, [current[i] for i in keep], list(keep)):  # config and layer_idx as keep_layers sets them
+        return copy.deepcopy(model)
+
+
 def remove_layers(model: nn.Module, drop: Sequence[int]) -> nn.Module:
     """Remove the decoder layers at indices `drop`, in place."""
     n = model.config.num_hidden_layers

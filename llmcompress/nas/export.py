@@ -22,14 +22,13 @@ model, is gone: GGUF and compressed-tensors replace it.)
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from llmcompress.io.adapters import get_adapter
-from llmcompress.io.surgery import keep_layers
+from llmcompress.io.surgery import kept_copy
 from llmcompress.nas.space import Arch, SearchSpace
 from llmcompress.quant.apply import QuantizedWeight, quantize_model_
 from llmcompress.quant.plan import MixedPrecisionPlan, QuantConfig
@@ -56,13 +55,14 @@ def slice_mlp_(layer, width: int) -> None:
 
 
 def derive_model(teacher, space: SearchSpace, arch: Arch):
-    """A copy of `teacher` with skipped layers removed and MLPs sliced to their widths."""
-    model = copy.deepcopy(teacher)
+    """A copy of `teacher` with skipped layers removed and MLPs sliced to their widths (the skipped layers are
+    never copied: `io.surgery.kept_copy`)."""
+    kept = [i for i in range(space.n_layers) if arch.keep[i]]
+    model = kept_copy(teacher, kept)
     layers = get_adapter(model).decoder_layers(model)
-    for i, layer in enumerate(layers):
-        if arch.keep[i] and space.widths[arch.width[i]] < space.intermediate:
-            slice_mlp_(layer, space.widths[arch.width[i]])
-    keep_layers(model, [i for i in range(space.n_layers) if arch.keep[i]])
+    for new, i in enumerate(kept):
+        if space.widths[arch.width[i]] < space.intermediate:
+            slice_mlp_(layers[new], space.widths[arch.width[i]])
     return model.eval()
 
 
