@@ -382,9 +382,12 @@ def distill(
 
         raise UserError("--act-grad factored runs in a single process: under torchrun DDP all-reduces dense weight gradients",
                         "drop --act-grad factored (or torchrun)")
+    from llmcompress.io.stream import check_fits
+
     out = Path(out)
     t_start = time.perf_counter()
     dev, _ = resolve_device(device)
+    check_fits(cfg.teacher, torch.float32, dev, what="distill (the teacher and its student)")  # before --out is prepared
     state = prepare_out(cfg, out, overwrite, resume, dist)
     state = dist.broadcast(state)
     seed_everything(cfg.seed)

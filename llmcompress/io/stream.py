@@ -126,6 +126,22 @@ def should_stream(spec: str, dtype, device=None, max_memory: int | None = None, 
     return path
 
 
+def check_fits(spec: str, dtype, device=None, *, what: str) -> None:
+    """For an engine that holds the whole model (`what`: nas's supernet, distill's teacher and student): refuse
+    in one line (UserError, exit 2, before anything is written) a model whose weights at `dtype` alone exceed
+    the memory `device` has available, instead of loading for minutes and being killed by the kernel.
+    A model not (yet) on disk as safetensors is not checked."""
+    path = streamable_dir(spec)
+    if path is None:
+        return
+    need, have = checkpoint_bytes_at(path, dtype), available_memory(device)
+    if need > have:
+        raise UserError(f"{spec} needs {need / 2**30:.2f} GiB at {str(dtype).replace('torch.', '')}, more than the "
+                        f"{have / 2**30:.2f} GiB available, and {what} holds the whole model",
+                        "use a machine or GPU with more memory (collapse, eval and export --to compressed-tensors stream "
+                        "models larger than memory)")
+
+
 # ---------------------------------------------------------------- the runner
 
 
@@ -508,5 +524,5 @@ def streamed_perplexity(path: Path, tokenizer, data: str = "wikitext2", *, split
     return perplexity_result(nll, n, blocks, data, split)
 
 
-__all__ = ["LayerRunner", "available_memory", "boundary_walk", "checkpoint_bytes_at", "open_runner", "parse_memory",
+__all__ = ["check_fits", "LayerRunner", "available_memory", "boundary_walk", "checkpoint_bytes_at", "open_runner", "parse_memory",
            "return_freed_memory", "should_stream", "streamable_dir", "streamed_nll", "streamed_perplexity"]

@@ -90,10 +90,13 @@ def _runtime_check(gguf_path: Path, costs, arch) -> dict:
 def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool = False, device: str = "cpu", dtype=None) -> NasRun:
     """Run the search of `cfg.mode` (+ `cfg.baselines`) and write everything under `out`, with the model
     loaded on `device` in `dtype` (None: float32; the CLI resolves --device/--dtype)."""
+    import torch
+
     from llmcompress.io.atomic import write_json
     from llmcompress.io.checkpoint import build_manifest
     from llmcompress.io.load import load_model
     from llmcompress.io.rundir import claim
+    from llmcompress.io.stream import check_fits
     from llmcompress.nas import export as E
     from llmcompress.nas import search as S
     from llmcompress.nas.report import write_report
@@ -102,9 +105,10 @@ def run_nas(cfg: NasConfig, out: Path, *, overwrite: bool = False, resume: bool 
 
     out = Path(out)
     cfg.validate()
+    dev, _ = resolve_device(device)
+    check_fits(cfg.model, dtype or torch.float32, dev, what="the nas supernet")  # before --out is claimed
     claim(out, overwrite=overwrite, resume=resume, stale=STALE).start()
     seed_everything(cfg.seed)
-    dev, _ = resolve_device(device)
     lm = load_model(cfg.model, device=dev, dtype=dtype)
     teacher, tok = lm.model, lm.tokenizer
     space = build_space(teacher, cfg)
