@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from torchrun_arms import run_arms
 
 
 def spec(args) -> str:
@@ -32,13 +32,7 @@ def spec(args) -> str:
         "baselines: [shortgpt]", "eval_tokens: 512", "save: knee", ""])
 
 
-def run(cmd: list[str], threads: int, out: Path) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), LLMCOMPRESS_PROGRESS="0")
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+def measure(out: Path, wall: float) -> dict:
     log = [json.loads(line) for line in (out / "search_log.jsonl").read_text().splitlines()]
     meta = json.loads((out / "pareto.json").read_text())
     return {"wall_s": wall, "search_s": meta["search_seconds"], "evaluations": log[-1]["evaluations"],
@@ -59,16 +53,8 @@ def main() -> None:
     spec_file = args.work / "spec.yaml"
     spec_file.write_text(spec(args))
     res = {}
-    one = [sys.executable, "-m", "llmcompress"]
-    for name, launcher, threads in [("1 process, 2 threads", one, 2), ("1 process, 1 thread", one, 1),
-                                    ("2 torchrun processes, 1 thread each", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                              "--nproc_per_node", "2", "-m", "llmcompress"], 1)]:
-        out = args.work / name.replace(" ", "-").replace(",", "")
-        shutil.rmtree(out, ignore_errors=True)
-        cmd = [*launcher, "collapse", "smollm2-135m", "--spec", str(spec_file), "--out", str(out)]
-        print(f"{name}: {' '.join(cmd)}", flush=True)
-        res[name] = run(cmd, threads, out)
-        r = res[name]
+    for name, out, wall in run_arms(args.work, lambda out: ["collapse", "smollm2-135m", "--spec", str(spec_file), "--out", str(out)]):
+        res[name] = r = measure(out, wall)
         print(f"  search {r['search_s']:.0f} s, {r['evaluations']} evaluations, {r['evaluations'] / r['search_s']:.3f}/s "
               f"(wall {r['wall_s']:.0f} s, load {r['load']:.1f})", flush=True)
     a2, a1, b = res.values()

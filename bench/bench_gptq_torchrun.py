@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from torchrun_arms import run_arms
 
 
 def digest(out: Path) -> dict[str, str]:
@@ -35,22 +35,9 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64, help="64: divides smollm2-135m's 576 (compressed-tensors' default 128 does not)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    one = [sys.executable, "-m", "llmcompress"]
-    two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "llmcompress"]
     res = {}
-    for name, launcher, threads in [("1 process, 2 threads", one, 2), ("1 process, 1 thread", one, 1),
-                                    ("2 torchrun processes, 1 thread each", two, 1)]:
-        out = args.work / name.replace(" ", "-").replace(",", "")
-        shutil.rmtree(out, ignore_errors=True)
-        cmd = [*launcher, "export", "smollm2-135m", "--to", args.to, "--bits", str(args.bits), "--group-size", str(args.group_size),
-               "--quant", "gptq", "--out", str(out)]
-        print(f"{name}: {' '.join(cmd)}", flush=True)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), LLMCOMPRESS_PROGRESS="0")
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    cmd = ["export", "smollm2-135m", "--to", args.to, "--bits", str(args.bits), "--group-size", str(args.group_size), "--quant", "gptq"]
+    for name, out, wall in run_arms(args.work, lambda out: [*cmd, "--out", str(out)]):
         res[name] = {"wall_s": wall, "digest": digest(out), "load": os.getloadavg()[0]}
         print(f"  wall {wall:.0f} s (load {res[name]['load']:.1f})", flush=True)
     a2, a1, b = res.values()
