@@ -24,7 +24,9 @@ from torchrun_arms import run_arms
 
 
 def digest(out: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*.safetensors"))}
+    """sha256 of what the export wrote: the .gguf file, or every safetensors file of a compressed-tensors folder."""
+    files = [out] if out.is_file() else sorted(out.rglob("*.safetensors"))
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
 def main() -> None:
@@ -48,7 +50,7 @@ def main() -> None:
              "| run | wall s | load at end |", "|---|---:|---:|"]
     lines += [f"| {n} | {r['wall_s']:.0f} | {r['load']:.1f} |" for n, r in res.items()]
     lines += ["", f"Files of 2 processes (1 thread each) equal to 1 process with 1 thread: **{'yes' if same else 'NO'}** "
-              f"({len(b['digest'])} safetensors files, sha256); equal to 1 process with 2 threads: "
+              f"({len(b['digest'])} files, sha256); equal to 1 process with 2 threads: "
               f"{'yes' if a2['digest'] == b['digest'] else 'no (another reduction order in the Hessians)'}.",
               f"2 processes vs 1 process with 2 threads: {a2['wall_s'] / b['wall_s']:.2f}x; vs 1 thread: {a1['wall_s'] / b['wall_s']:.2f}x."]
     text = "\n".join(lines) + "\n"

@@ -90,7 +90,8 @@ def from_env(device_type: str = "cpu") -> DistInfo:
     if device_type == "cuda":  # one GPU per process: `cuda` (and `auto`) then mean this rank's own device
         import torch
 
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # modulo: where each process sees only its own GPU (CUDA_VISIBLE_DEVICES per rank), LOCAL_RANK is past the count
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
     return DistInfo(dist.get_rank(), dist.get_world_size(), backend)

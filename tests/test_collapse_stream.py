@@ -87,7 +87,12 @@ def test_streamed_reference_spills_its_states_as_they_pass_and_maps_nothing(pair
     assert store.on_disk and not ref.on_disk and len(store) == len(ref) == 9
     assert sorted(p.name for p in store.folder.iterdir()) == sorted(f"b{i}.safetensors" for i in range(9))
     torch.testing.assert_close(store.get(4, slice(1, 3)), ref.get(4, slice(1, 3)), rtol=RTOL, atol=1e-5)
-    assert store.first(2) is store and st.refs["calib"].states.get(8, slice(None)).shape[0] == 6
+    screen = store.first(2)  # the walk's screen: a view of the same files, no row past 2, 2 rows' bytes
+    assert screen.get(8, slice(None)).shape[0] == 2 and store.get(8, slice(None)).shape[0] == 6
+    torch.testing.assert_close(screen.get(8, slice(0, 5)), ref.get(8, slice(0, 2)), rtol=RTOL, atol=1e-5)
+    assert screen.nbytes * 3 == store.nbytes == ref.nbytes and len(screen) == len(store)
+    screen.close()  # deletes nothing: the store it shares owns the files
+    assert store.folder.is_dir()
     if os.path.exists("/proc/self/maps"):
         assert str(store.folder) not in Path("/proc/self/maps").read_text()
     assert shortgpt_scores(st) == pytest.approx(shortgpt_scores(mem), rel=1e-4)  # read one boundary at a time

@@ -102,6 +102,7 @@ class StateStore:
         self.folder = Path(tempfile.mkdtemp(prefix=STATES_PREFIX, dir=cache_dir)) if self.on_disk else None
         self._states: list = []  # in memory: the tensors; spilled: their files
         self.nbytes = 0
+        self.rows: int | None = None  # blocks per boundary (a spilled view of the first n reads no further)
         for s in states:
             self.add(s)
 
@@ -110,6 +111,7 @@ class StateStore:
         from safetensors.torch import save_file
 
         self.nbytes += state.numel() * state.element_size()
+        self.rows = state.shape[0] if self.rows is None else self.rows
         if not self.on_disk:
             self._states.append(state)
             return
@@ -127,18 +129,24 @@ class StateStore:
         from safetensors import safe_open
 
         with safe_open(str(self._states[i]), framework="pt") as f:
-            return f.get_slice("s")[rows].to(self.device)
+            return f.get_slice("s")[slice(*rows.indices(self.rows))].to(self.device)
 
     def __iter__(self):
         """Every boundary's states in order, one read at a time (a spilled store holds one in memory)."""
         return (self.get(i, slice(None)) for i in range(len(self)))
 
     def first(self, n: int) -> StateStore:
-        """The first n rows of every boundary, without a copy: views in memory; a spilled store is shared
-        (its files read only the rows asked for; a reference of n blocks never asks for more)."""
-        if self.on_disk:
-            return self
-        return StateStore([s[:n] for s in self._states], device=self.device)
+        """The first n rows of every boundary, without a copy: views in memory; spilled, a view of the same files
+        that reads no row past n and counts n rows' bytes (it deletes nothing: this store closes the files)."""
+        if not self.on_disk:
+            return StateStore([s[:n] for s in self._states], device=self.device)
+        import copy
+
+        view = copy.copy(self)
+        view.rows = min(n, self.rows or 0)
+        view.nbytes = self.nbytes * view.rows // max(1, self.rows or 1)
+        view.folder = None
+        return view
 
     def all(self) -> list[torch.Tensor]:
         """Every boundary's states as tensors (a spilled store reads them all into memory)."""
@@ -208,7 +216,12 @@ def build_reference_streamed(runner, blocks, *, topk: int, stride: int, max_byte
         for s in ([inputs] if i == 0 else []) + [outputs]:
             states.append(torch.cat(s)) if store is None else store.add(torch.cat(s))
 
-    last = boundary_walk(runner, blocks, on_layer, description=f"reference {label} (streamed)".replace("  ", " "))
+    try:
+        last = boundary_walk(runner, blocks, on_layer, description=f"reference {label} (streamed)".replace("  ", " "))
+    except BaseException:  # an interrupt or error half-way: no spill folder left behind
+        if store is not None:
+            store.close()
+        raise
     idx, lp = [], []
     for h in last:
         logp = torch.log_softmax(runner.logits(h[:, ::stride]).float(), dim=-1)

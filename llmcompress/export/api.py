@@ -268,13 +268,18 @@ def export_model(src: str, to: str, out: Path, opts: ExportOptions | None = None
     opts = opts or ExportOptions()
     opts.validate(to)
     out = Path(out)
+    info = world()
+    if not info.is_main and opts.quant != "gptq":  # under torchrun: RTN has nothing to spread, rank 0 exports alone
+        return {"format": to, "rank": info.rank}
     _refuse_existing(out, overwrite)
+    info.barrier()  # every rank has checked --out before rank 0 can write it
     import torch
 
     from llmcompress.io.stream import should_stream
 
-    if to == "compressed-tensors":
-        path = should_stream(src, dtype or torch.float32, device, max_memory, what=f"{opts.quant.upper()} quantization")
+    if to == "compressed-tensors":  # rank 0 decides (the others' loads change what is free): every rank takes one path
+        what = f"{opts.quant.upper()} quantization"
+        path = info.broadcast(should_stream(src, dtype or torch.float32, device, max_memory, what=what) if info.is_main else None)
         if path is not None:
             return export_streamed(src, path, out, opts, overwrite=overwrite, progress=progress, device=device, dtype=dtype)
     elif max_memory is not None:
@@ -311,15 +316,11 @@ def export_streamed(src: str, path: Path, out: Path, opts: ExportOptions, *, ove
                                "act_order": act_order}
     float_dtype = opts.save_dtype or source_dtype_of_spec(src)
     summary: dict[str, Any] = {"format": to, "source": src, "float_dtype": float_dtype, **info}
-    if not world().is_main:  # under torchrun: quantize this rank's share of the GPTQ linears; rank 0 writes
-        if blocks is not None:
-            from llmcompress.quant.gptq import gptq_layerwise_
-
-            gptq_layerwise_(runner, plan, blocks, act_order=act_order, sink=lambda i, q: None, progress=False)
-        return summary
     res = write_compressed_tensors_streamed(runner, tok, out, plan=plan, quant=opts.quant, blocks=blocks, act_order=act_order,
                                             float_dtype=float_dtype, manifest_extra={"export": summary}, overwrite=overwrite,
                                             progress=progress)
+    if not world().is_main:  # under torchrun: this rank quantized its share of the GPTQ linears; rank 0 wrote
+        return summary
     summary.update(res)
     summary["parameters"] = summary.get("parameters") or _manifest_parameters(out)
     return summary

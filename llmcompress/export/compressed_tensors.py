@@ -118,7 +118,8 @@ def write_compressed_tensors_streamed(runner, tokenizer, out: Path, *, plan, qua
     decoder layer is loaded, quantized (RTN, or GPTQ with its own Hessians, `quant.gptq.gptq_layerwise_`)
     and written as its own shard, then freed; the embedding, final norm and head go to a last shard, and
     `model.safetensors.index.json` maps every tensor to its shard (the sharded layout transformers and
-    vLLM read). The tensors equal those `write_compressed_tensors` writes for the same model in memory."""
+    vLLM read). The tensors equal those `write_compressed_tensors` writes for the same model in memory.
+    Under torchrun (GPTQ spread over the ranks, quant/gptq.py) only rank 0 writes; the others quantize their share."""
     from types import SimpleNamespace
 
     import torch
@@ -149,6 +150,19 @@ def write_compressed_tensors_streamed(runner, tokenizer, out: Path, *, plan, qua
             tensors[full] = t.detach().to(dt).contiguous() if t.is_floating_point() else t.detach().contiguous()
         return tensors
 
+    from llmcompress.dist import world
+
+    gptq = quant == "gptq" and blocks is not None  # GPTQ with nothing to quantize has no calibration blocks
+
+    def run_gptq(sink):
+        from llmcompress.quant.gptq import gptq_layerwise_
+
+        gptq_layerwise_(runner, plan, blocks, act_order=act_order, sink=sink, progress=progress)
+
+    if not world().is_main:
+        if gptq:
+            run_gptq(lambda i, qweights: None)
+        return {}
     with atomic_dir(Path(out), overwrite=overwrite) as tmp:
         def sink(i, qweights):
             nonlocal nbytes, params
@@ -164,10 +178,8 @@ def write_compressed_tensors_streamed(runner, tokenizer, out: Path, *, plan, qua
             weight_map.update({k: shard[i] for k in tensors})
             nbytes += (tmp / shard[i]).stat().st_size
 
-        if quant == "gptq":
-            from llmcompress.quant.gptq import gptq_layerwise_
-
-            gptq_layerwise_(runner, plan, blocks, act_order=act_order, sink=sink, progress=progress)
+        if gptq:
+            run_gptq(sink)
         else:
             from llmcompress.progress import track
 

@@ -214,12 +214,12 @@ def gptq_layerwise_(runner, plan: MixedPrecisionPlan, blocks: torch.Tensor, *, a
             got = {}
             for fqn in mine:
                 h = hessians.pop(fqn)  # popped: a Hessian is freed once its last linear is done (q/k/v share one)
-                if fqn not in share:
-                    continue
-                cfg, lin = targets[fqn], linears[fqn]
-                q, s, z = gptq_quantize(lin.weight.data, h, cfg.bits, cfg.group_size, act_order=act_order, sym=cfg.sym)
-                got[fqn] = QuantizedWeight(q.cpu(), s.cpu(), z.cpu(), cfg.bits, cfg.group_size, cfg.sym)
-                del q, s, z, h
+                if fqn in share:
+                    cfg, lin = targets[fqn], linears[fqn]
+                    q, s, z = gptq_quantize(lin.weight.data, h, cfg.bits, cfg.group_size, act_order=act_order, sym=cfg.sym)
+                    got[fqn] = QuantizedWeight(q.cpu(), s.cpu(), z.cpu(), cfg.bits, cfg.group_size, cfg.sym)
+                    del q, s, z
+                del h  # another rank's linear too: never kept through the exchange (down_proj's is the largest)
                 if runner.streamed:
                     return_freed_memory()
             del hessians
