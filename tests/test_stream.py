@@ -340,6 +340,21 @@ def _read_all(folder):
     return out
 
 
+def test_streamed_gptq_export_with_nothing_to_quantize_writes_floats(tiny_hf_dir, tmp_path, capsys):
+    """--quant gptq --bits 16 streamed: nothing is quantized, so there are no calibration blocks, and the streamed
+    writer must not start GPTQ without them (it crashed in the embedding of None); same floats as in memory."""
+    from llmcompress.cli import app
+    from llmcompress.cli._errors import run_app
+
+    common = ["export", str(tiny_hf_dir), "--to", "compressed-tensors", "--quant", "gptq", "--bits", "16", "--device", "cpu"]
+    for arm, extra in (("memory", []), ("stream", ["--max-memory", "0"])):
+        capsys.readouterr()
+        assert run_app(app, common + ["--out", str(tmp_path / arm)] + extra) == 0, capsys.readouterr().err
+    a, b = _read_all(tmp_path / "memory"), _read_all(tmp_path / "stream")
+    assert sorted(a) == sorted(b) and not any(k.endswith("weight_packed") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("quant", ["gptq", "rtn"])
 def test_streamed_compressed_tensors_export_equals_in_memory(quant, tiny_hf_dir, tmp_path, capsys):
     """export --to compressed-tensors above --max-memory: written layer by layer, one shard each, with the

@@ -268,18 +268,21 @@ def export_model(src: str, to: str, out: Path, opts: ExportOptions | None = None
     opts = opts or ExportOptions()
     opts.validate(to)
     out = Path(out)
+    from llmcompress.dist import DistInfo
+
     info = world()
     if not info.is_main and opts.quant != "gptq":  # under torchrun: RTN has nothing to spread, rank 0 exports alone
         return {"format": to, "rank": info.rank}
+    group = info if opts.quant == "gptq" else DistInfo()  # the ranks that take part (RTN: rank 0 alone, no collective)
     _refuse_existing(out, overwrite)
-    info.barrier()  # every rank has checked --out before rank 0 can write it
+    group.barrier()  # every rank has checked --out before rank 0 can write it
     import torch
 
     from llmcompress.io.stream import should_stream
 
     if to == "compressed-tensors":  # rank 0 decides (the others' loads change what is free): every rank takes one path
         what = f"{opts.quant.upper()} quantization"
-        path = info.broadcast(should_stream(src, dtype or torch.float32, device, max_memory, what=what) if info.is_main else None)
+        path = group.broadcast(should_stream(src, dtype or torch.float32, device, max_memory, what=what) if info.is_main else None)
         if path is not None:
             return export_streamed(src, path, out, opts, overwrite=overwrite, progress=progress, device=device, dtype=dtype)
     elif max_memory is not None:
