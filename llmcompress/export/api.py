@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmcompress.dist import world
+from llmcompress.dist import DistInfo, world
 from llmcompress.errors import UserError
 
 if TYPE_CHECKING:
@@ -268,8 +268,6 @@ def export_model(src: str, to: str, out: Path, opts: ExportOptions | None = None
     opts = opts or ExportOptions()
     opts.validate(to)
     out = Path(out)
-    from llmcompress.dist import DistInfo
-
     info = world()
     if not info.is_main and opts.quant != "gptq":  # under torchrun: RTN has nothing to spread, rank 0 exports alone
         return {"format": to, "rank": info.rank}
