@@ -98,12 +98,13 @@ def from_env(device_type: str = "cpu") -> DistInfo:
 
 
 def shutdown(info: DistInfo) -> None:
+    """Wait for every rank, then leave the group."""
     if info.active:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.barrier()
-            dist.destroy_process_group()
+    leave(info)
 
 
 def leave(info: DistInfo) -> None:

@@ -69,14 +69,19 @@ def replace_layers(model: nn.Module, layers: Sequence[nn.Module], origin: Sequen
     return model
 
 
-def keep_layers(model: nn.Module, keep: Sequence[int]) -> nn.Module:
-    """Keep only the decoder layers at indices `keep` (in that order), in place."""
+def _kept(model: nn.Module, keep: Sequence[int]) -> list:
+    """The decoder layers at indices `keep`, in that order (an index out of range is a UserError)."""
     current = list(get_adapter(model).decoder_layers(model))
     n = len(current)
     bad = [i for i in keep if not 0 <= i < n]
     if bad:
         raise UserError(f"layer indices {bad} are out of range for a model with {n} layers", f"use 0..{n - 1}")
-    return replace_layers(model, [current[i] for i in keep], list(keep))
+    return [current[i] for i in keep]
+
+
+def keep_layers(model: nn.Module, keep: Sequence[int]) -> nn.Module:
+    """Keep only the decoder layers at indices `keep` (in that order), in place."""
+    return replace_layers(model, _kept(model, keep), list(keep))
 
 
 def kept_copy(model: nn.Module, keep: Sequence[int]) -> nn.Module:
@@ -85,11 +90,7 @@ def kept_copy(model: nn.Module, keep: Sequence[int]) -> nn.Module:
     whole model (a student derived from a 70B teacher). The original is unchanged."""
     import copy
 
-    current = list(get_adapter(model).decoder_layers(model))
-    bad = [i for i in keep if not 0 <= i < len(current)]
-    if bad:
-        raise UserError(f"layer indices {bad} are out of range for a model with {len(current)} layers", f"use 0..{len(current) - 1}")
-    with swapped_layers(model, [current[i] for i in keep], list(keep)):  # config and layer_idx as keep_layers sets them
+    with swapped_layers(model, _kept(model, keep), list(keep)):  # config and layer_idx as keep_layers sets them
         return copy.deepcopy(model)
 
 
