@@ -81,8 +81,7 @@ def is_main() -> bool:
 
 def from_env(device_type: str = "cpu") -> DistInfo:
     """Join the process group torchrun describes in the environment (no-op when WORLD_SIZE is 1 or unset)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return DistInfo()
     import torch.distributed as dist
 

@@ -524,5 +524,5 @@ def streamed_perplexity(path: Path, tokenizer, data: str = "wikitext2", *, split
     return perplexity_result(nll, n, blocks, data, split)
 
 
-__all__ = ["check_fits", "LayerRunner", "available_memory", "boundary_walk", "checkpoint_bytes_at", "open_runner", "parse_memory",
+__all__ = ["LayerRunner", "available_memory", "boundary_walk", "check_fits", "checkpoint_bytes_at", "open_runner", "parse_memory",
            "return_freed_memory", "should_stream", "streamable_dir", "streamed_nll", "streamed_perplexity"]
