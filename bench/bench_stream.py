@@ -16,7 +16,11 @@ CPU's compute dtype, `--dtype auto`):
   references, ShortGPT seed, --gelaco-population individuals for --gelaco-generations generations, the pick at
   --gelaco-target layers re-ranked on validation) on --gelaco-tokens calibration and as many validation tokens;
   streamed, every candidate's groups are built from source layers read from disk (collapse/stream.py). The
-  pick and its fitness are compared. No baselines' LaCo, walk, tuning, report or checkpoint (the CLI's extras).
+  pick and its fitness are compared. No baselines' LaCo, walk, tuning, report or checkpoint (the CLI's extras);
+* distill: layer-wise distillation (`distill.engine.distill`, as `llmcompress distill --keep-layers
+  --distill-keep --select bi --max-memory 0` streamed) of --distill-tokens WikiText-2 valid tokens: Block
+  Influence, the teacher feature cache, both phases and the saved student; the training losses of the two arms
+  are compared (they agree to float rounding, not bit for bit).
 
 Each arm runs in its own process, one after the other (peak RSS = the process's VmHWM, absolute: the
 runtime included). Results: --work/results.json and bench/RESULTS-stream.md.
@@ -33,7 +37,8 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = ["eval-stream", "eval-mem", "shortgpt-stream", "shortgpt-mem", "gptq-stream", "gptq-mem", "gelaco-stream", "gelaco-mem"]
+ARMS = ["eval-stream", "eval-mem", "shortgpt-stream", "shortgpt-mem", "gptq-stream", "gptq-mem", "gelaco-stream", "gelaco-mem",
+        "distill-stream", "distill-mem"]
 SEQ = 256
 
 
@@ -106,6 +111,8 @@ def run_arm(arm: str, path: Path, work: Path, args) -> dict:
     from llmcompress.io.stream import LayerRunner
 
     what, mode = arm.rsplit("-", 1)
+    if what == "distill":
+        return _distill(path, work / f"distill-{mode}", mode == "stream", args)
     n_tokens = {"eval": args.eval_tokens, "shortgpt": args.calib_tokens, "gptq": args.gptq_blocks * SEQ, "gelaco": args.gelaco_tokens}[what]
     blocks = _blocks(path, "eval" if what == "eval" else "calib", "", n_tokens)
     base = status("VmRSS")
@@ -135,7 +142,7 @@ def run_arm(arm: str, path: Path, work: Path, args) -> dict:
         out["ppl"] = math.exp(nll / n)
     elif what == "shortgpt":
         if mode == "stream":
-            from llmcompress.collapse.baselines import block_influence_layerwise
+            from llmcompress.io.stream import block_influence_layerwise
 
             scores = block_influence_layerwise(runner, blocks)
         else:  # what collapse does: every boundary state from one forward, then Block Influence
@@ -168,6 +175,30 @@ def run_arm(arm: str, path: Path, work: Path, args) -> dict:
     out.update(wall_s=time.perf_counter() - t0, load_s=t_load, peak_rss_bytes=status("VmHWM"), base_rss_bytes=base,
                loadavg_1min_end=os.getloadavg()[0])
     return out
+
+
+def _distill(path: Path, out_dir: Path, streamed: bool, args) -> dict:
+    """Layer-wise distill of the 1.7B model, streamed (--max-memory 0) or in memory; the whole run is timed."""
+    import shutil
+
+    from llmcompress.distill import DistillConfig
+    from llmcompress.distill.engine import distill
+
+    shutil.rmtree(out_dir, ignore_errors=True)
+    cfg = DistillConfig(teacher=str(path), keep_layers=args.distill_keep, select="bi", train_tokens=args.distill_tokens,
+                        data="wikitext2", data_split="valid", seq_len=SEQ, batch_size=args.batch, eval_tokens=0,
+                        cache_dir=str(out_dir) + "-cache")
+    base = status("VmRSS")
+    t0 = time.perf_counter()
+    res = distill(cfg, out_dir, max_memory=0 if streamed else None)
+    recs = [json.loads(x) for x in (out_dir / "train_log.jsonl").read_text().splitlines()]
+    shutil.rmtree(str(out_dir) + "-cache", ignore_errors=True)
+    m = res.metrics
+    return {"arm": f"distill-{'stream' if streamed else 'mem'}", "tokens": args.distill_tokens, "wall_s": time.perf_counter() - t0,
+            "load_s": 0.0, "peak_rss_bytes": status("VmHWM"), "base_rss_bytes": base, "loadavg_1min_end": os.getloadavg()[0],
+            "streamed": m["streamed"], "keep": [s["sources"][0] for s in res.layer_map], "losses": [r["loss"] for r in recs],
+            "cache_s": m.get("cache_s"), "phase1_s": m.get("phase1_s"), "phase2_s": m.get("phase2_s"),
+            "student_bytes_on_disk": m.get("student_bytes_on_disk")}
 
 
 def _gelaco(runner, path: Path, out_dir: Path, args) -> dict:
@@ -215,7 +246,7 @@ def write_md(results: dict, ckpt_bytes: int, md: Path, cmd: str) -> None:
         "| load avg | result |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for what in ("eval", "shortgpt", "gptq", "gelaco"):
+    for what in ("eval", "shortgpt", "gptq", "gelaco", "distill"):
         mem, st = results.get(f"{what}-mem"), results.get(f"{what}-stream")
         for r in (st, mem):
             if r is None:
@@ -227,6 +258,12 @@ def write_md(results: dict, ckpt_bytes: int, md: Path, cmd: str) -> None:
             elif what == "gelaco":
                 res = (f"{r['search']}, {r['evaluations']} evaluations: pick {r['pick']}, fitness calib {r['fitness_calib']:.6f} "
                        f"/ val {r['fitness_val']:.6f}")
+            elif what == "distill":
+                other = mem if r is st else st
+                diff = (max(abs(a - b) / abs(b) for a, b in zip(r["losses"], other["losses"]))
+                        if other and len(other["losses"]) == len(r["losses"]) else float("nan"))
+                res = (f"{len(r['keep'])} layers kept, {len(r['losses'])} steps, last loss {r['losses'][-1]:.5f} (max rel. diff "
+                       f"to the other arm {diff:.1e}); cache {r['cache_s']:.0f} s, phases {r['phase1_s']:.0f} + {r['phase2_s']:.0f} s")
             else:
                 res = f"{r.get('layers', 32)} layers, ints sha256 {r['ints_sha256'][:12]}"
             ratio = f"{st['wall_s'] / mem['wall_s']:.2f}" if (st and mem and r is st) else ""
@@ -250,6 +287,8 @@ def main() -> None:
     ap.add_argument("--gelaco-generations", type=int, default=1)
     ap.add_argument("--gelaco-prefix-gb", type=float, default=1.0, help="gelaco: prefix_cache_gb (candidates' own boundary states)")
     ap.add_argument("--gelaco-target", type=int, default=28, help="gelaco: layers to keep (single-budget search)")
+    ap.add_argument("--distill-keep", type=int, default=24, help="distill: decoder layers the student keeps")
+    ap.add_argument("--distill-tokens", type=int, default=2048, help="distill: training tokens (--train-tokens)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--make", action="store_true", help=argparse.SUPPRESS)
@@ -278,7 +317,8 @@ def main() -> None:
                "--gptq-blocks", str(args.gptq_blocks), "--gptq-layers", str(args.gptq_layers), "--batch", str(args.batch),
                "--gelaco-tokens", str(args.gelaco_tokens), "--gelaco-population", str(args.gelaco_population),
                "--gelaco-generations", str(args.gelaco_generations), "--gelaco-target", str(args.gelaco_target),
-               "--gelaco-prefix-gb", str(args.gelaco_prefix_gb)]
+               "--gelaco-prefix-gb", str(args.gelaco_prefix_gb), "--distill-keep", str(args.distill_keep),
+               "--distill-tokens", str(args.distill_tokens)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)

@@ -32,9 +32,11 @@ run distill 200 $L distill smollm2-135m --keep-layers 22 --select bi --mode e2e 
 cp /tmp/runs/distill/report.md "$OUT/distill-report.md" 2>/dev/null
 run collapse 170 $L collapse --pareto --piqa-limit 0 --device cuda --out /tmp/runs/collapse
 cp /tmp/runs/collapse/report.md "$OUT/collapse-report.md" 2>/dev/null
-# not yet run on a GPU (added 2026-12-06): the layer-streamed eval, nas at 3 bits, GPTQ export
+# not yet run on a GPU (added 2026-12-06/07): the layer-streamed eval, nas at 3 bits, streamed distill, GPTQ export
 run eval_streamed 80 $L eval smollm2-135m --device cuda --max-memory 0 --ppl wikitext2 --max-tokens 32768 --seq-len 512 --no-speed --json
 run nas 200 $L nas smollm2-135m --target-bits 3 --device cuda --out /tmp/runs/nas
 cp /tmp/runs/nas/report.md "$OUT/nas-report.md" 2>/dev/null
+run distill_streamed 90 $L distill smollm2-135m --keep-layers 22 --select bi --train-tokens 65536 --max-memory 0 --device cuda \
+  --eval-tokens 8192 --out /tmp/runs/distill-streamed
 run gptq 120 $L export smollm2-135m --to compressed-tensors --bits 4 --group-size 64 --quant gptq --device cuda --out /tmp/runs/gptq-ct
 ls "$OUT"

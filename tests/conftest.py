@@ -108,6 +108,25 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+WORDS = ["the cat", "a dog", "sat on", "the mat", "ran far", "and then", "it was", "very good"]
+
+
+def words_text(n: int, seed: int = 0) -> str:
+    """`n` seeded draws from a few two-word phrases: training text with structure a tiny model learns fast."""
+    import random
+
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    """A small training text file (3,000 phrases) for distill runs on tiny models."""
+    path = tmp_path / "train.txt"
+    path.write_text(words_text(3000))
+    return path
+
+
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "mistral", "gpt2"])
 def family(request):
     return request.param

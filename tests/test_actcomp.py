@@ -251,17 +251,6 @@ def test_a_compiled_module_is_refused():
 # ---- distill integration --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def data_file(tmp_path):
-    import random
-
-    rng = random.Random(0)
-    words = ["the cat", "a dog", "sat on", "the mat", "ran far", "and then", "it was", "very good"]
-    path = tmp_path / "train.txt"
-    path.write_text(" ".join(rng.choice(words) for _ in range(3000)))
-    return path
-
-
 def _distill_cfg(teacher, data_file, tmp_path, **kw):
     from llmcompress.distill import DistillConfig
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -12,18 +11,8 @@ from llmcompress.distill import DistillConfig
 from llmcompress.distill import engine as engine_mod
 from llmcompress.distill.engine import distill
 
-WORDS = ["the cat", "a dog", "sat on", "the mat", "ran far", "and then", "it was", "very good"]
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-@pytest.fixture
-def data_file(tmp_path):
-    rng = random.Random(0)
-    path = tmp_path / "train.txt"
-    path.write_text(" ".join(rng.choice(WORDS) for _ in range(3000)))
-    return path
 
 
 def make_cfg(teacher, data_file, tmp_path, **kw) -> DistillConfig:

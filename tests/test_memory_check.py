@@ -1,7 +1,7 @@
-"""Engines that hold the whole model (nas, distill) refuse in one line, before writing anything, a model whose
-weights alone exceed the available memory (io.stream.check_fits), instead of being killed by the kernel after
-loading; the streaming engines (collapse, eval, export) stream it instead, as tests/test_collapse_stream.py and
-tests/test_stream.py check."""
+"""Engines that hold the whole model (nas, distill's end-to-end mode) refuse in one line, before writing anything,
+a model whose weights alone exceed the available memory (io.stream.check_fits), instead of being killed by the
+kernel after loading; the streaming engines (collapse, eval, export, distill's layer-wise mode) stream it instead,
+as tests/test_collapse_stream.py, tests/test_stream.py and tests/test_distill_stream.py check."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def test_a_model_larger_than_memory_exits_2_in_one_line_and_writes_nothing(comma
     monkeypatch.setattr(S, "available_memory", lambda device=None: need - 1)
     out = tmp_path / "out"
     args = {"nas": ["nas", tiny_hf_dir, "--target-bits", "4", "--out", out],
-            "distill": ["distill", tiny_hf_dir, "--keep-layers", 2, "--out", out, "--cache-dir", tmp_path / "cache"]}[command]
+            "distill": ["distill", tiny_hf_dir, "--keep-layers", 2, "--mode", "e2e", "--seq-len", 64, "--out", out,
+                        "--cache-dir", tmp_path / "cache"]}[command]
     code, err = _run(capsys, *args)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), err

@@ -77,10 +77,9 @@ def test_streamed_bf16_checkpoint_computes_in_float32(saved):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_streamed_block_influence_equals_in_memory(family, saved):
-    from llmcompress.collapse.baselines import block_influence_layerwise
     from llmcompress.collapse.fitness import block_influence
     from llmcompress.io.forward import boundary_states
-    from llmcompress.io.stream import LayerRunner
+    from llmcompress.io.stream import LayerRunner, block_influence_layerwise
 
     model, path = saved(family, layers=6)
     blocks = _blocks(4)
@@ -385,3 +384,24 @@ def test_streamed_compressed_tensors_export_equals_in_memory(quant, tiny_hf_dir,
     assert outs["memory"][0]["parameters"] == outs["stream"][0]["parameters"]
     index = json.loads((tmp_path / "stream" / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(index) == set(b)
+
+
+def test_widened_head_matches_the_float32_head_and_keeps_no_widened_copy_for_backward():
+    """A bf16 resident head applied to float32 states (streamed distill's logit KL): the same logits and input
+    gradient as the head widened once, while autograd keeps only the bf16 weight (no float32 slices)."""
+    from llmcompress.io.stream import widened_linear
+
+    torch.manual_seed(0)
+    W, b = torch.randn(5000, 64).bfloat16(), torch.randn(5000).bfloat16()
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+        y = widened_linear(x, W, b, rows=1024)
+    g = torch.randn_like(y)
+    y.backward(g)
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = torch.nn.functional.linear(x2, W.float(), b.float())
+    y2.backward(g)
+    torch.testing.assert_close(y, y2, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-3)  # summation order
+    assert sum(saved) <= W.numel() * W.element_size()  # the bf16 weight itself, not 4 bytes per entry

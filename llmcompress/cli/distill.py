@@ -17,6 +17,7 @@ from llmcompress.cli._options import (
     DeviceOpt,
     DtypeOpt,
     EngineModelArg,
+    MaxMemoryOpt,
     OverwriteOpt,
     PushOpt,
     ResumeOpt,
@@ -65,6 +66,7 @@ def distill_command(
     threads: Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads (default: torch's choice).")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    max_memory: MaxMemoryOpt = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help=f"Random seed (default {D.seed}).")] = None,
     overwrite: OverwriteOpt = False,
     act_rank: Annotated[Optional[str], typer.Option("--act-rank", help=ACT_HELP_RANK)] = None,
@@ -102,6 +104,9 @@ def distill_command(
                         "pass --dtype float32 (or auto) and --precision bf16 for bfloat16 compute")
     if out is None:
         raise UserError("--out is required", "e.g. --out distilled/")
+    from llmcompress.io.stream import parse_memory
+
+    budget = parse_memory(max_memory)
     from llmcompress.io.hub import check_push, push
 
     check_push(push_to_hub)
@@ -137,7 +142,7 @@ def distill_command(
     from llmcompress.eval.report import WIKITEXT2_PPL
     info = from_env(dev.type)
     try:
-        result = distill(cfg, out, device=str(dev), overwrite=overwrite, resume=resume, dist=info, keep_work=keep_work)
+        result = distill(cfg, out, device=str(dev), overwrite=overwrite, resume=resume, dist=info, keep_work=keep_work, max_memory=budget)
     finally:
         shutdown(info)
     if info.is_main:

@@ -20,25 +20,6 @@ def shortgpt_scores(evaluator: Evaluator) -> list[float]:
     return block_influence(iter(evaluator.refs["calib"].states))
 
 
-def block_influence_layerwise(runner, blocks) -> list[float]:
-    """Block Influence of every layer (as `block_influence` on the boundary states) computed one layer at a
-    time over an `io.stream.LayerRunner`: only a layer's input and output states are held, and a streamed
-    runner reads one layer from disk at a time, so a model larger than memory can be scored."""
-    import torch
-    import torch.nn.functional as F
-
-    from llmcompress.io.stream import boundary_walk
-
-    scores: list[float] = []
-
-    def on_layer(i, inputs, outputs):
-        cos = torch.cat([F.cosine_similarity(x.float(), y.float(), dim=-1) for x, y in zip(inputs, outputs)])
-        scores.append(float(1.0 - cos.mean()))
-
-    boundary_walk(runner, blocks, on_layer, description="block influence")
-    return scores
-
-
 def shortgpt(evaluator: Evaluator, n_keep: int, scores: list[float] | None = None) -> Candidate:
     """Drop the layers with the lowest Block Influence (layer 0 always stays: it leads the first group)."""
     scores = scores if scores is not None else shortgpt_scores(evaluator)

@@ -121,34 +121,21 @@ def _run_collapse(job: Job) -> CollapseResult:
 def _open_streamed(job: Job):
     """(LoadedModel over a streamed skeleton, its LayerRunner) when the model is above the memory budget
     (`io.stream.should_stream` says so on stderr), else (None, None)."""
-    import json
     import sys
 
     import torch
 
-    from llmcompress.io.dtypes import detect_source_dtype
-    from llmcompress.io.load import LoadedModel, resolve
-    from llmcompress.io.stream import LayerRunner, should_stream
+    from llmcompress.io.stream import open_streamed, should_stream
 
     cfg = job.cfg
     dtype = job.dtype or torch.float32
     path = should_stream(cfg.model, dtype, job.dev, job.max_memory, what="the collapse search")
     if path is None:
         return None, None
-    from transformers import AutoTokenizer
-
-    runner = LayerRunner.open(path, dtype=dtype, device=job.dev, batch=cfg.batch_blocks)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    source = path / "source.json"  # a converted alias or GGUF: the hash of the file it came from
-    source_hash = json.loads(source.read_text()).get("sha256", "") if source.is_file() else ""
-    kind, where = resolve(cfg.model)
     if cfg.method == "gelaco" and cfg.tune_steps > 0 and job.info.is_main:
         print("notice: merge-coefficient tuning is skipped when streamed (it back-propagates through every layer after "
               "the first changed one at once)", file=sys.stderr)
-    lm = LoadedModel(runner.model, tok, str(cfg.model), runner.adapter, source_hash, {}, detect_source_dtype(kind, where))
-    return lm, runner
+    return open_streamed(cfg.model, path, dtype=dtype, device=job.dev, batch=cfg.batch_blocks)
 
 
 def _prepared(job: Job, run_dir) -> CollapseResult:

@@ -116,80 +116,20 @@ def run_groups(cr: CollapsedRunner, g_start: int, hidden: list[torch.Tensor], ke
 
 def save_solution_streamed(runner, tokenizer, cand: Candidate, record: dict, out, *, source: str, source_hash: str, config: dict,
                            overwrite: bool, dtype: str | None = None) -> None:
-    """`export.save_solution` for a streamed runner: the checkpoint written one group at a time (each group's
-    collapsed layer built from its streamed sources, written as its own shard, freed), the embedding, final
-    norm and head in a last shard, `model.safetensors.index.json` mapping every tensor to its shard (the
-    sharded layout transformers reads). Its tensors, config, manifest fields and `weights_sha256` (hashed in
-    the compute dtype, state-dict order) equal those `save_solution` writes from the model in memory."""
-    import hashlib
-    from pathlib import Path
-
-    import torch
-    from safetensors.torch import save_file
-
+    """`export.save_solution` for a streamed runner: the checkpoint written one group at a time by
+    `io.stream.write_streamed` (each group's collapsed layer built from its streamed sources, written as its own
+    shard, freed). Its tensors, config, manifest fields and `weights_sha256` equal those `save_solution` writes
+    from the model in memory."""
     from llmcompress.collapse.export import solution_manifest
-    from llmcompress.io.atomic import atomic_dir, write_json
-    from llmcompress.io.checkpoint import finish_checkpoint, set_config_dtype
-    from llmcompress.io.dtypes import dtype_name, torch_dtype
+    from llmcompress.io.stream import write_streamed
     from llmcompress.io.surgery import replace_layers, shared_copy
-    from llmcompress.metrics import update_tensor_digest
 
-    compute = runner.dtype or torch.float32
-    saved = torch_dtype(dtype) if dtype is not None else compute
-    adapter = runner.adapter
     skeleton = shared_copy(runner.model)  # its decoder layers stay on the meta device: only the config and names change
-    old = adapter.decoder_layers(skeleton)
+    old = runner.adapter.decoder_layers(skeleton)
     replace_layers(skeleton, [old[grp[0]] for grp in cand.groups], [grp[0] for grp in cand.groups])
-    cr = CollapsedRunner(runner, cand)
-    n = cr.n_layers
-    shard = [f"model-{k + 1:05d}-of-{n + 1:05d}.safetensors" for k in range(n + 1)]
-    layers_prefix = adapter.layers + "."
-    head = f"{adapter.lm_head}.weight"
-    tied = bool(getattr(skeleton.config, "tie_word_embeddings", False))
-    digest = hashlib.sha256()
-    weight_map: dict[str, str] = {}
-    rest: dict[str, torch.Tensor] = {}
-
-    def on_disk(t):
-        return (t.detach().to(saved) if t.is_floating_point() else t.detach()).contiguous()
-
-    state = skeleton.state_dict()
-    done: set[int] = set()
-    with atomic_dir(Path(out), overwrite=overwrite) as tmp:
-        for name, t in state.items():  # state-dict order: the order `weights_hash` reads
-            if name.startswith(layers_prefix):
-                g = int(name[len(layers_prefix) :].split(".", 1)[0])
-                if g in done:
-                    continue
-                done.add(g)
-                prefix = f"{layers_prefix}{g}."
-                tensors = {}
-                with cr.layer(g) as layer:
-                    for rel, v in layer.state_dict().items():
-                        update_tensor_digest(digest, v, label=f"{prefix}{rel}:")
-                        tensors[prefix + rel] = on_disk(v)
-                save_file(tensors, str(tmp / shard[g]), metadata={"format": "pt"})
-                weight_map.update({k: shard[g] for k in tensors})
-                del tensors
-                continue
-            # a resident tensor kept narrower than the compute dtype (io/stream.py) is hashed as computed
-            update_tensor_digest(digest, t.to(compute) if t.is_floating_point() and t.dtype != compute else t, label=f"{name}:")
-            if not (tied and name == head):
-                rest[name] = on_disk(t)
-        save_file(rest, str(tmp / shard[n]), metadata={"format": "pt"})
-        weight_map.update({k: shard[n] for k in rest})
-        nbytes = sum((tmp / f).stat().st_size for f in shard)
-        write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": nbytes}, "weight_map": weight_map})
-        skeleton.config.architectures = [type(skeleton).__name__]
-        skeleton.config.save_pretrained(tmp)
-        set_config_dtype(tmp / "config.json", dtype_name(saved))
-        if skeleton.can_generate():
-            skeleton.generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        manifest = solution_manifest(cand, record, source=source, source_hash=source_hash, config=config)
-        finish_checkpoint(tmp, manifest, name=Path(out).name, layers=n, parameters=sum(p.numel() for p in skeleton.parameters()),
-                          dtype=dtype_name(saved), weights_sha256=digest.hexdigest())
+    manifest = solution_manifest(cand, record, source=source, source_hash=source_hash, config=config)
+    write_streamed(skeleton, CollapsedRunner(runner, cand), tokenizer, out, manifest, compute_dtype=runner.dtype, dtype=dtype,
+                   overwrite=overwrite)
 
 
 __all__ = ["CollapsedRunner", "read_sources", "run_groups", "save_solution_streamed"]

@@ -44,9 +44,11 @@ from llmcompress.distill.segments import (
     segment_layout,
     teacher_boundaries,
 )
+from llmcompress.distill.stream import ppl_streamed
 from llmcompress.eval.report import WIKITEXT2_PPL
 from llmcompress.io.atomic import append_jsonl, atomic_path, write_json
 from llmcompress.io.rundir import load_state, save_state
+from llmcompress.io.stream import available_memory
 
 
 def peak_rss_mb() -> float:
@@ -108,7 +110,10 @@ def _segment_loss(run: Run, seg: Segment, x, y, *, step_seed: int, with_kl: bool
 
 
 def _to(t, run: Run):
-    return t.to(run.device, dtype=next(run.model.parameters()).dtype)
+    """A feature batch on the device in the training dtype (streamed: the runner's compute dtype; a resident
+    tensor such as the embedding may be narrower)."""
+    dtype = run.streamed.dtype if run.streamed is not None else next(run.model.parameters()).dtype
+    return t.to(run.device, dtype=dtype)
 
 
 def _student_cache(run: Run, level: int) -> FeatureCache:
@@ -190,8 +195,12 @@ def _save_segment(run: Run, seg: Segment, phase: int, tensors: dict) -> None:
 
 
 def _load_segment(run: Run, seg: Segment, phase: int) -> None:
+    """The segment's weights from its phase file (streamed: read from it whenever the segment is loaded)."""
     from safetensors.torch import load_file
 
+    if run.streamed is not None:
+        run.streamed.use_segment(_segment_file(run, seg, phase), seg.student_start, seg.student_end - seg.student_start)
+        return
     tensors = load_file(str(_segment_file(run, seg, phase)))
     for i, layer in enumerate(run.layers(seg)):
         sd = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}
@@ -206,7 +215,8 @@ def _initial_losses(run: Run, shard: int) -> dict[int, float]:
     with torch.no_grad():
         for seg in run.segments:
             x, _, y, _ = _loader(run, seg, 1)(shard)
-            loss, _ = _segment_loss(run, seg, _to(x, run), _to(y, run), step_seed=0, with_kl=False)
+            with run.materialized(seg):
+                loss, _ = _segment_loss(run, seg, _to(x, run), _to(y, run), step_seed=0, with_kl=False)
             out[seg.index] = loss.item()
     return out
 
@@ -221,11 +231,13 @@ def _phase1(run: Run, steps: int, shards: list[int]) -> None:
         seg = run.segments[k]
         if k in done:
             continue
-        _train_segment(run, seg, phase=1, steps=steps, shards=shards)
+        with run.materialized(seg):
+            _train_segment(run, seg, phase=1, steps=steps, shards=shards)
+            tensors = _segment_state(run, seg)
         if run.dist.active:
-            trained[k] = _segment_state(run, seg)
+            trained[k] = tensors
         else:
-            _save_segment(run, seg, 1, _segment_state(run, seg))
+            _save_segment(run, seg, 1, tensors)
             run.state["phase1_done"].append(k)
             run.save_state()
     if run.dist.active:
@@ -278,13 +290,17 @@ def _phase2(run: Run, steps: int, shards: list[int]) -> None:
         if k > 0 and not _student_cache(run, k).is_complete(f"level{k}"):
             for prev in run.segments[:k]:  # resumed after an interrupted propagation: rebuild the inputs
                 if not _student_cache(run, prev.index + 1).is_complete(f"level{prev.index + 1}"):
-                    _propagate(run, prev, shards)
-        _train_segment(run, seg, phase=2, steps=steps, shards=shards)
-        _save_segment(run, seg, 2, _segment_state(run, seg))
-        run.state["phase2_done"].append(k)
-        run.save_state()
-        if k < len(run.segments) - 1:
-            _propagate(run, seg, shards)
+                    with run.materialized(prev):
+                        _propagate(run, prev, shards)
+        with run.materialized(seg):
+            _train_segment(run, seg, phase=2, steps=steps, shards=shards)
+            _save_segment(run, seg, 2, _segment_state(run, seg))
+            run.state["phase2_done"].append(k)
+            run.save_state()
+            if run.streamed is not None:
+                _load_segment(run, seg, 2)  # from now on the segment is read from its phase-2 file
+            if k < len(run.segments) - 1:
+                _propagate(run, seg, shards)
     for k in range(len(run.segments) + 1):
         _student_cache(run, k).clear()
 
@@ -355,6 +371,7 @@ def distill(
     resume: bool = False,
     dist: DistInfo | None = None,
     keep_work: bool = False,
+    max_memory: int | None = None,
 ) -> DistillResult:
     """Distil a smaller student from `cfg.teacher` into `out` (see the module docstring).
 
@@ -367,6 +384,8 @@ def distill(
         dist: this process's place in a torch.distributed group (None: single process).
         keep_work: keep `out/work` (segment weights, student features, resume state) after success;
             by default it is removed once the student and the report are written.
+        max_memory: bytes the teacher may take (None: the memory available; 0: always stream). Above it, the
+            layer-wise mode streams the teacher and the student layer by layer (distill/stream.py).
     """
     import torch
 
@@ -382,26 +401,31 @@ def distill(
 
         raise UserError("--act-grad factored runs in a single process: under torchrun DDP all-reduces dense weight gradients",
                         "drop --act-grad factored (or torchrun)")
-    from llmcompress.io.stream import check_fits
-
     out = Path(out)
     t_start = time.perf_counter()
     dev, _ = resolve_device(device)
-    check_fits(cfg.teacher, torch.float32, dev, what="distill (the teacher and its student)")  # before --out is prepared
+    stream_path = _stream_path(cfg, dev, dist, max_memory)  # before --out is prepared
     state = prepare_out(cfg, out, overwrite, resume, dist)
     state = dist.broadcast(state)
     seed_everything(cfg.seed)
-    lm = load_model(cfg.teacher, device=dev)
-    blocks, data_label = load_blocks(lm.tokenizer, cfg, lm.model)
-    layer_map, keep = plan_student(cfg, lm.model, blocks)
+    runner = None
+    if stream_path is None:
+        lm = load_model(cfg.teacher, device=dev)
+    else:
+        from llmcompress.distill.cache import CACHE_MICRO_BATCH
+        from llmcompress.io.stream import open_streamed
+
+        lm, runner = open_streamed(cfg.teacher, stream_path, dtype=torch.float32, device=dev, batch=CACHE_MICRO_BATCH)
+    blocks, data_label = load_blocks(lm.tokenizer, cfg, lm.model if runner is None else None)
+    layer_map, keep = plan_student(cfg, lm.model, blocks, runner=runner)
     n_teacher = lm.model.config.num_hidden_layers
     segments = segment_layout(layer_map, n_teacher, cfg.segments)
     metrics: dict[str, Any] = {"mode": cfg.mode.value, "data": data_label, "train_tokens": cfg.train_tokens,
                                "unique_tokens": int(blocks.numel()), "teacher_layers": n_teacher,
                                "student_layers": len(layer_map), "segments": [s.to_dict() for s in segments],
-                               "teacher_parameters": _n_params(lm.model)}
+                               "teacher_parameters": _n_params(lm.model), "streamed": runner is not None}
     if dist.is_main and cfg.eval_tokens > 0:
-        metrics[TEACHER_PPL] = eval_ppl(lm.model, lm.tokenizer, cfg)
+        metrics[TEACHER_PPL] = eval_ppl(lm.model, lm.tokenizer, cfg) if runner is None else ppl_streamed(runner, lm.tokenizer, cfg)
     t_train = time.perf_counter()
     run = Run(cfg, out, dist, dev, tokenizer=lm.tokenizer, segments=segments, state=state)
     run.work.mkdir(parents=True, exist_ok=True)
@@ -419,7 +443,8 @@ def distill(
         metrics["eval_before_s"] = run.state.pop("eval_before_s", 0.0)
         lm.model = None
     else:
-        student = _layerwise(run, lm, keep, blocks, metrics)
+        student = _layerwise(run, lm, keep, blocks, metrics, runner=runner, stream_path=stream_path,
+                             budget=max_memory or (available_memory(dev) if runner is not None else 0))
     metrics["train_wall_s"] = round(time.perf_counter() - t_train - metrics.get("eval_before_s", 0.0), 2)  # evaluation excluded
     metrics["peak_rss_mb"] = round(peak_rss_mb(), 1)
     if run.comm is not None:
@@ -435,7 +460,7 @@ def distill(
         return DistillResult(out, None, layer_map, segments, metrics)
     metrics["student_parameters"] = _n_params(student)
     if cfg.eval_tokens > 0:
-        metrics[WIKITEXT2_PPL] = eval_ppl(student, run.tokenizer, cfg)
+        metrics[WIKITEXT2_PPL] = eval_ppl(student, run.tokenizer, cfg) if run.streamed is None else ppl_streamed(run.streamed, run.tokenizer, cfg)
     metrics["wall_s"] = round(time.perf_counter() - t_start, 2)
     student_dir = _save(run, student, lm, layer_map, metrics)
     import json
@@ -456,8 +481,49 @@ def distill(
     return DistillResult(out, student_dir, layer_map, segments, metrics)
 
 
-def _layerwise(run: Run, lm, keep: list[int] | None, blocks, metrics: dict):
-    """Cache, free the teacher, phases 1 and 2, optional e2e steps; returns the trained student model."""
+def _stream_path(cfg: DistillConfig, dev, dist: DistInfo, max_memory: int | None) -> Path | None:
+    """The teacher's safetensors directory when the run streams it (above the memory budget; rank 0 decides),
+    else None. A run that needs the whole model is refused in one line when it cannot fit (or must stream)."""
+    import torch
+
+    from llmcompress.distill.stream import check_streamable, whole_model_needs
+    from llmcompress.io.stream import check_fits, should_stream
+
+    if whole_model_needs(cfg):
+        if max_memory == 0:
+            check_streamable(cfg, "--max-memory 0 streams the teacher layer by layer")
+        check_fits(cfg.teacher, torch.float32, dev, what="distill (the teacher and its student)", budget=max_memory,
+                   fix="use --mode layerwise without --e2e-steps (streamed layer by layer), or a machine or GPU with more memory")
+        return None
+    path = should_stream(cfg.teacher, torch.float32, dev, max_memory, what="the layer-wise distillation") if dist.is_main else None
+    return dist.broadcast(path)
+
+
+def _streamed_student(run: Run, runner, keep: list[int] | None):
+    """The StudentRunner of a streamed run: the teacher runner cut to `keep`, or the --student checkpoint streamed."""
+    import torch
+
+    from llmcompress.distill.stream import StudentRunner
+    from llmcompress.errors import UserError
+    from llmcompress.io.stream import streamable_dir
+
+    if keep is not None:
+        return StudentRunner.removal(runner, keep)
+    path = streamable_dir(run.cfg.student)
+    if path is None:
+        raise UserError(f"the teacher is streamed layer by layer, and so must be the student {run.cfg.student}, which is not a "
+                        "safetensors checkpoint", "pass a checkpoint directory with *.safetensors (a collapse output is one)")
+    student = StudentRunner.open(path, dtype=torch.float32, device=run.device, batch=runner.batch)
+    student.parent = runner
+    return student
+
+
+def _layerwise(run: Run, lm, keep: list[int] | None, blocks, metrics: dict, *, runner=None, stream_path=None, budget: int = 0):
+    """Cache, free the teacher, phases 1 and 2, optional e2e steps; returns the trained student model.
+
+    With a streamed teacher (`runner`, from `stream_path`; `budget`: the memory budget in bytes), the features are
+    cached layer by layer and the student is a skeleton whose segments are loaded as they are used
+    (distill/stream.py); the returned model is that skeleton."""
 
     from llmcompress.io.adapters import get_adapter
     from llmcompress.io.checkpoint import weights_hash
@@ -467,7 +533,12 @@ def _layerwise(run: Run, lm, keep: list[int] | None, blocks, metrics: dict):
 
     cfg = run.cfg
     boundaries = teacher_boundaries(run.segments)
-    teacher_id = lm.source_hash or weights_hash(lm.model)
+    if runner is not None:
+        from llmcompress.distill.stream import build_teacher_cache_streamed, files_key
+
+        teacher_id = lm.source_hash or cache_key(*files_key(stream_path))
+    else:
+        teacher_id = lm.source_hash or weights_hash(lm.model)
     key_parts = [teacher_id, blocks, boundaries, cfg.cache_dtype.value, cfg.batch_size]
     if cfg.precision.value != "fp32":  # features computed at another precision are other features
         key_parts.append(cfg.precision.value)
@@ -475,6 +546,9 @@ def _layerwise(run: Run, lm, keep: list[int] | None, blocks, metrics: dict):
     root = Path(cfg.cache_dir) if cfg.cache_dir else cache_dir() / "distill-features"
     t0 = time.perf_counter()
     def build():
+        if runner is not None:
+            return build_teacher_cache_streamed(runner, blocks, boundaries, key=key, root=root / key, batch_size=cfg.batch_size,
+                                                dtype=cfg.cache_dtype.value, precision=cfg.precision.value, budget=budget)
         return build_teacher_cache(lm.model, blocks, boundaries, key=key, root=root / key, batch_size=cfg.batch_size,
                                    dtype=cfg.cache_dtype.value, device=run.device, precision=cfg.precision.value)
 
@@ -486,7 +560,14 @@ def _layerwise(run: Run, lm, keep: list[int] | None, blocks, metrics: dict):
     metrics["cache_s"] = round(time.perf_counter() - t0, 2)
     metrics["cache_dir"] = str(root / key)
     adapter = get_adapter(lm.model)
-    if keep is not None:  # the student is the teacher with layers cut out, in place: the rest is freed
+    if runner is not None:  # a skeleton; its layers are read from disk when a segment needs them
+        from llmcompress.io.stream import compute_head
+
+        run.streamed = _streamed_student(run, runner, keep)
+        model = run.streamed.model
+        teacher = run.streamed if keep is not None else runner  # whose norm and head give the KL targets
+        run.norm, run.head = adapter.norm(teacher.model), compute_head(teacher)  # a bf16 checkpoint's head stays bf16
+    elif keep is not None:  # the student is the teacher with layers cut out, in place: the rest is freed
         model = keep_layers(lm.model, keep)
         run.norm, run.head = adapter.norm(model), adapter.head(model)
     else:
@@ -502,7 +583,7 @@ def _layerwise(run: Run, lm, keep: list[int] | None, blocks, metrics: dict):
     run.model = model
     if run.dist.is_main and cfg.eval_tokens > 0:
         t_eval = time.perf_counter()
-        metrics[BEFORE_PPL] = eval_ppl(model, run.tokenizer, cfg)
+        metrics[BEFORE_PPL] = eval_ppl(model, run.tokenizer, cfg) if run.streamed is None else ppl_streamed(run.streamed, run.tokenizer, cfg)
         metrics["eval_before_s"] = round(time.perf_counter() - t_eval, 2)
     n_shards = run.teacher.n_shards
     steps1, steps2 = cur.split_steps(cfg.train_tokens, cfg.batch_size * cfg.seq_len, cfg.phase1_fraction)
@@ -553,7 +634,13 @@ def _save(run: Run, student, lm, layer_map: list[dict], metrics: dict) -> Path:
     student.eval()
     from llmcompress.io.dtypes import save_dtype_for
 
-    path = save_checkpoint(student, run.tokenizer, run.out / "student", manifest=manifest, overwrite=True,
-                           dtype=save_dtype_for(lm, run.cfg.save_dtype))
+    dtype = save_dtype_for(lm, run.cfg.save_dtype)
+    if run.streamed is not None:  # one layer at a time, from the segment files
+        from llmcompress.io.stream import write_streamed
+
+        path = write_streamed(student, run.streamed, run.tokenizer, run.out / "student", manifest, compute_dtype=run.streamed.dtype,
+                              dtype=dtype, overwrite=True)
+    else:
+        path = save_checkpoint(student, run.tokenizer, run.out / "student", manifest=manifest, overwrite=True, dtype=dtype)
     write_json(run.out / "metrics.json", metrics)
     return path

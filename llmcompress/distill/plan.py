@@ -116,8 +116,9 @@ def read_student_plan(spec: str, teacher_model) -> list[dict]:
     return layer_map
 
 
-def plan_student(cfg: DistillConfig, model, blocks) -> tuple[list[dict], list[int] | None]:
-    """(layer_map, keep list for a removal student or None for a checkpoint student)."""
+def plan_student(cfg: DistillConfig, model, blocks, runner=None) -> tuple[list[dict], list[int] | None]:
+    """(layer_map, keep list for a removal student or None for a checkpoint student). With a streamed teacher
+    (`runner`, io/stream.py), Block Influence is computed layer by layer on the same blocks."""
     n_teacher = model.config.num_hidden_layers
     if (cfg.keep_layers is None) == (cfg.student is None):
         raise UserError("give exactly one of --keep-layers N and --student PATH", "e.g. --keep-layers 15")
@@ -129,10 +130,16 @@ def plan_student(cfg: DistillConfig, model, blocks) -> tuple[list[dict], list[in
 
     check_student_size(n_teacher, cfg.keep_layers)
     if cfg.select.value == "bi":
-        from llmcompress.io.forward import boundary_states
+        sample = blocks[: min(4, len(blocks))]
+        if runner is not None:
+            from llmcompress.io.stream import block_influence_layerwise
 
-        states, _ = boundary_states(model, blocks[: min(4, len(blocks))].to(next(model.parameters()).device))
-        keep = bi_keep(block_influence(states), cfg.keep_layers)
+            keep = bi_keep(block_influence_layerwise(runner, sample), cfg.keep_layers)
+        else:
+            from llmcompress.io.forward import boundary_states
+
+            states, _ = boundary_states(model, sample.to(next(model.parameters()).device))
+            keep = bi_keep(block_influence(states), cfg.keep_layers)
     else:
         keep = uniform_keep(n_teacher, cfg.keep_layers)
     return layer_map_from_keep(keep), keep

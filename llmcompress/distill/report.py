@@ -23,6 +23,7 @@ def render(cfg, metrics: dict[str, Any]) -> str:
         ("layers (teacher -> student)", f"{metrics.get('teacher_layers')} -> {metrics.get('student_layers')}"),
         ("parameters (teacher -> student)", f"{_fmt(metrics.get('teacher_parameters'))} -> {_fmt(metrics.get('student_parameters'))}"),
         ("student checkpoint on disk (bytes, dtype)", f"{_fmt(metrics.get('student_bytes_on_disk'))} ({metrics.get('student_dtype')})"),
+        ("teacher in memory or streamed", "streamed layer by layer from disk (above --max-memory)" if metrics.get("streamed") else "in memory"),
         ("training data", metrics.get("data")),
         ("training tokens (budget / unique)", f"{_fmt(metrics.get('train_tokens'))} / {_fmt(metrics.get('unique_tokens'))}"),
         ("passes over the data (--epochs)", cfg.epochs),

@@ -34,6 +34,7 @@ class Run:
     state: dict = field(default_factory=dict)
     log_buffer: list = field(default_factory=list)
     comm: Any = None  # the data-parallel e2e loop's gradient compression (comm/edgc.py GradCompression)
+    streamed: Any = None  # distill/stream.py StudentRunner when the teacher is streamed layer by layer (larger than memory)
 
     @property
     def work(self) -> Path:
@@ -43,6 +44,12 @@ class Run:
         from llmcompress.io.adapters import get_adapter
 
         return list(get_adapter(self.model).decoder_layers(self.model))[seg.student_start : seg.student_end]
+
+    def materialized(self, seg: Segment):
+        """A context in which the segment's layers are real: always in memory; streamed, loaded for it."""
+        from contextlib import nullcontext
+
+        return nullcontext() if self.streamed is None else self.streamed.segment(seg)
 
     def log(self, record: dict) -> None:
         if self.dist.is_main:

@@ -126,20 +126,21 @@ def should_stream(spec: str, dtype, device=None, max_memory: int | None = None, 
     return path
 
 
-def check_fits(spec: str, dtype, device=None, *, what: str) -> None:
+def check_fits(spec: str, dtype, device=None, *, what: str, budget: int | None = None, fix: str | None = None) -> None:
     """For an engine that holds the whole model (`what`: nas's supernet, distill's teacher and student): refuse
     in one line (UserError, exit 2, before anything is written) a model whose weights at `dtype` alone exceed
-    the memory `device` has available, instead of loading for minutes and being killed by the kernel.
-    A model not (yet) on disk as safetensors is not checked."""
+    `budget` bytes (default: the memory `device` has available), instead of loading for minutes and being killed
+    by the kernel. A model not (yet) on disk as safetensors is not checked."""
     path = streamable_dir(spec)
     if path is None:
         return
-    need, have = checkpoint_bytes_at(path, dtype), available_memory(device)
+    need = checkpoint_bytes_at(path, dtype)
+    have = available_memory(device) if budget is None else budget
     if need > have:
         raise UserError(f"{spec} needs {need / 2**30:.2f} GiB at {str(dtype).replace('torch.', '')}, more than the "
-                        f"{have / 2**30:.2f} GiB available, and {what} holds the whole model",
-                        "use a machine or GPU with more memory (collapse, eval and export --to compressed-tensors stream "
-                        "models larger than memory)")
+                        f"{have / 2**30:.2f} GiB {'available' if budget is None else 'of --max-memory'}, and {what} holds the whole model",
+                        fix or "use a machine or GPU with more memory (collapse, eval, distill --mode layerwise and export "
+                        "--to compressed-tensors stream models larger than memory)")
 
 
 # ---------------------------------------------------------------- the runner
@@ -226,18 +227,23 @@ class LayerRunner:
         pages read through it would stay resident (and counted) until it closes. Tried and not kept
         (bench_stream.py gelaco-stream, 2026-12-06, one run each): opening the file per tensor (peak 1.34 vs
         1.26-1.28 GB) and plain reads without a memory map (1.27 GB, wall 170 vs 132 s)."""
+        by_file: dict[Path, dict[str, str]] = {}
+        for name in names:
+            by_file.setdefault(self.files[self.keys[name]], {})[name] = self.keys[name]
+        for f, group in by_file.items():
+            self.load_from(f, group)
+
+    def load_from(self, file: Path, keys: dict[str, str]) -> None:
+        """Read the tensors `keys` (model tensor name -> key in `file`) from the safetensors `file` into the
+        skeleton (on the device, in the compute dtype); the file is opened for this call only."""
         from accelerate.utils import set_module_tensor_to_device
         from safetensors import safe_open
 
-        by_file: dict[Path, list[str]] = {}
-        for name in names:
-            by_file.setdefault(self.files[self.keys[name]], []).append(name)
-        for f, group in by_file.items():
-            with safe_open(str(f), framework="pt", device="cpu") as h:
-                for name in group:
-                    value = h.get_tensor(self.keys[name])
-                    set_module_tensor_to_device(self.model, name, self.device, value=value, dtype=self._dtype_for(name, value))
-                    del value
+        with safe_open(str(file), framework="pt", device="cpu") as h:
+            for name, key in keys.items():
+                value = h.get_tensor(key)
+                set_module_tensor_to_device(self.model, name, self.device, value=value, dtype=self._dtype_for(name, value))
+                del value
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """The parameter `name` (a model FQN) as `layer` would load it (compute dtype, on the device), read
@@ -298,7 +304,7 @@ class LayerRunner:
         if not names:
             raise UserError(f"the checkpoint has no tensors for decoder layer {i}", "check the checkpoint is complete")
         try:
-            self._load(names)
+            self._load_layer(i, names)
             yield layer
         finally:
             from accelerate.utils import set_module_tensor_to_device
@@ -306,6 +312,10 @@ class LayerRunner:
             for name in names:
                 set_module_tensor_to_device(self.model, name, "meta")
             return_freed_memory()
+
+    def _load_layer(self, i: int, names: list[str]) -> None:
+        """Load decoder layer i's tensors `names` (a subclass may read them from elsewhere)."""
+        self._load(names)
 
     def embed(self, blocks: torch.Tensor) -> list[torch.Tensor]:
         """Input of decoder layer 0 for `blocks` (n, T), as a list of per-batch tensors (`self.batch` blocks each).
@@ -346,24 +356,79 @@ class LayerRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits from the last layer's output: final norm, then the head."""
         import torch
-        import torch.nn.functional as F
 
         head = self.adapter.head(self.model)
         with torch.no_grad():
             x = self.adapter.norm(self.model)(hidden)
-            if head.weight.dtype == x.dtype:
-                return head(x)
-            # a narrower resident head (see _keep_source_dtype): widened a slice of rows at a time
-            W, b = head.weight, getattr(head, "bias", None)
-            step = 8192
-            return torch.cat([F.linear(x, W[a : a + step].to(x.dtype), None if b is None else b[a : a + step].to(x.dtype))
-                              for a in range(0, W.shape[0], step)], dim=-1)
+            return head(x) if head.weight.dtype == x.dtype else widened_linear(x, head.weight, getattr(head, "bias", None))
 
     def close(self) -> None:
         """Nothing stays open between layers; a streamed runner gives back its malloc setting now rather
         than when it is collected."""
         if self._release is not None:
             self._release()
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = 8192) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a weight narrower than `x` (a resident head kept in the checkpoint's dtype,
+    see `LayerRunner._keep_source_dtype`): widened `rows` output rows at a time, so only a slice is ever held in
+    `x`'s dtype. Differentiable in `x` (not in the weight): the backward widens the slices again instead of
+    keeping them (autograd would otherwise save every widened slice, i.e. the whole head in `x`'s dtype)."""
+    global _WIDENED
+    if _WIDENED is None:
+        _WIDENED = _widened_function()
+    return _WIDENED.apply(x, weight, bias, rows)
+
+
+_WIDENED = None
+
+
+def _widened_function():
+    import torch
+    import torch.nn.functional as F
+
+    def slices(weight, bias, rows, dtype):
+        for a in range(0, weight.shape[0], rows):
+            yield weight[a : a + rows].to(dtype), None if bias is None else bias[a : a + rows].to(dtype)
+
+    class Widened(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias, rows):
+            ctx.save_for_backward(weight)
+            ctx.rows = rows
+            return torch.cat([F.linear(x, w, b) for w, b in slices(weight, bias, rows, x.dtype)], dim=-1)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (weight,) = ctx.saved_tensors
+            gx = None
+            for a, (w, _) in zip(range(0, weight.shape[0], ctx.rows), slices(weight, None, ctx.rows, grad.dtype)):
+                part = grad[..., a : a + ctx.rows] @ w
+                gx = part if gx is None else gx + part
+            return gx, None, None, None
+
+    return Widened
+
+
+def compute_head(runner: LayerRunner):
+    """The runner's head as a module that computes in the compute dtype: the head itself, or, kept narrower (see
+    `LayerRunner._keep_source_dtype`), a module that applies it through `widened_linear` (for an engine that runs
+    the head itself, e.g. distill's logit KL, with gradients to its input)."""
+    import torch.nn as nn
+
+    head = runner.adapter.head(runner.model)
+    if runner.dtype is None or head.weight.dtype == runner.dtype:
+        return head
+
+    class WidenedHead(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return widened_linear(x, self.inner.weight, getattr(self.inner, "bias", None))
+
+    return WidenedHead(head)
 
 
 def return_freed_memory() -> None:
@@ -507,22 +572,139 @@ def streamed_nll(runner: LayerRunner, blocks: torch.Tensor, description: str = "
     return total, count
 
 
-def streamed_perplexity(path: Path, tokenizer, data: str = "wikitext2", *, split: str | None = None, seq_len: int = 512,
-                        max_tokens: int | None = 16384, batch_size: int = 4, dtype=None, device="cpu") -> dict:
-    """`eval.perplexity.perplexity` for the checkpoint at `path`, streamed layer by layer."""
-    from llmcompress.eval.perplexity import perplexity_blocks, perplexity_result
+def block_influence_layerwise(runner: LayerRunner, blocks: torch.Tensor) -> list[float]:
+    """Block Influence of every layer (as `metrics.block_influence` on the boundary states) computed one layer at
+    a time: only a layer's input and output states are held, and a streamed runner reads one layer from disk
+    at a time, so a model larger than memory can be scored."""
+    import torch
+    import torch.nn.functional as F
 
-    runner = LayerRunner.open(path, dtype=dtype, device=device, batch=batch_size)
-    try:
-        from llmcompress.eval.perplexity import check_seq_len
+    scores: list[float] = []
 
-        check_seq_len(runner.model, seq_len)
-        blocks = perplexity_blocks(tokenizer, data, split=split, seq_len=seq_len, max_tokens=max_tokens)
-        nll, n = streamed_nll(runner, blocks, description=f"ppl {data} (streamed)")
-    finally:
-        runner.close()
+    def on_layer(i, inputs, outputs):
+        cos = torch.cat([F.cosine_similarity(x.float(), y.float(), dim=-1) for x, y in zip(inputs, outputs)])
+        scores.append(float(1.0 - cos.mean()))
+
+    boundary_walk(runner, blocks, on_layer, description="block influence")
+    return scores
+
+
+def runner_perplexity(runner: LayerRunner, tokenizer, data: str = "wikitext2", *, split: str | None = None, seq_len: int = 512,
+                      max_tokens: int | None = 16384) -> dict:
+    """`eval.perplexity.perplexity` over a LayerRunner (the same blocks, each scored on its own)."""
+    from llmcompress.eval.perplexity import check_seq_len, perplexity_blocks, perplexity_result
+
+    check_seq_len(runner.model, seq_len)
+    blocks = perplexity_blocks(tokenizer, data, split=split, seq_len=seq_len, max_tokens=max_tokens)
+    nll, n = streamed_nll(runner, blocks, description=f"ppl {data} (streamed)")
     return perplexity_result(nll, n, blocks, data, split)
 
 
-__all__ = ["LayerRunner", "available_memory", "boundary_walk", "check_fits", "checkpoint_bytes_at", "open_runner", "parse_memory",
-           "return_freed_memory", "should_stream", "streamable_dir", "streamed_nll", "streamed_perplexity"]
+def streamed_perplexity(path: Path, tokenizer, data: str = "wikitext2", *, split: str | None = None, seq_len: int = 512,
+                        max_tokens: int | None = 16384, batch_size: int = 4, dtype=None, device="cpu") -> dict:
+    """`eval.perplexity.perplexity` for the checkpoint at `path`, streamed layer by layer."""
+    runner = LayerRunner.open(path, dtype=dtype, device=device, batch=batch_size)
+    try:
+        return runner_perplexity(runner, tokenizer, data, split=split, seq_len=seq_len, max_tokens=max_tokens)
+    finally:
+        runner.close()
+
+
+def open_streamed(spec: str, path: Path, *, dtype=None, device="cpu", batch: int = 2):
+    """(LoadedModel over a streamed skeleton, its LayerRunner) for the model `spec` streamed from the safetensors
+    directory `path` (`should_stream`'s answer): the tokenizer, the source's hash (a converted alias or GGUF
+    records the file it came from) and dtype, as `io.load.load_model` gives them for a model in memory."""
+    from transformers import AutoTokenizer
+
+    from llmcompress.io.dtypes import detect_source_dtype
+    from llmcompress.io.load import LoadedModel, resolve
+
+    runner = LayerRunner.open(path, dtype=dtype, device=device, batch=batch)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    source = Path(path) / "source.json"
+    source_hash = json.loads(source.read_text()).get("sha256", "") if source.is_file() else ""
+    kind, where = resolve(spec)
+    lm = LoadedModel(runner.model, tok, str(spec), runner.adapter, source_hash, {}, detect_source_dtype(kind, where))
+    return lm, runner
+
+
+def write_streamed(skeleton: nn.Module, layers, tokenizer, out: Path, manifest: dict, *, compute_dtype, dtype: str | None = None,
+                   overwrite: bool = False) -> Path:
+    """Write a checkpoint one decoder layer at a time, as `io.checkpoint.save_checkpoint` writes a model in memory.
+
+    `skeleton`: the output model with its decoder layers on the meta device (its config, names and resident
+    tensors: embedding, final norm, head); `layers.layer(i)`: a context manager yielding decoder layer i with its
+    weights (e.g. a LayerRunner). Each layer is written as its own shard and freed, the resident tensors in a last
+    shard, with `model.safetensors.index.json` mapping every tensor to its shard (the sharded layout transformers
+    reads). Tensors, config, manifest fields and `weights_sha256` (hashed in `compute_dtype`, state-dict order)
+    equal those `save_checkpoint` writes from the same model in memory. `dtype`: the saved floating dtype
+    (None: `compute_dtype`)."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import save_file
+
+    from llmcompress.io.atomic import atomic_dir, write_json
+    from llmcompress.io.checkpoint import finish_checkpoint, set_config_dtype
+    from llmcompress.io.dtypes import dtype_name, torch_dtype
+    from llmcompress.metrics import update_tensor_digest
+
+    compute = compute_dtype or torch.float32
+    saved = torch_dtype(dtype) if dtype is not None else compute
+    adapter = get_adapter(skeleton)
+    n = skeleton.config.num_hidden_layers
+    shard = [f"model-{k + 1:05d}-of-{n + 1:05d}.safetensors" for k in range(n + 1)]
+    layers_prefix = adapter.layers + "."
+    head = f"{adapter.lm_head}.weight"
+    tied = bool(getattr(skeleton.config, "tie_word_embeddings", False))
+    digest = hashlib.sha256()
+    weight_map: dict[str, str] = {}
+    rest: dict[str, torch.Tensor] = {}
+
+    def on_disk(t):
+        return (t.detach().to(saved) if t.is_floating_point() else t.detach()).contiguous()
+
+    state = skeleton.state_dict()
+    done: set[int] = set()
+    with atomic_dir(Path(out), overwrite=overwrite) as tmp:
+        for name, t in state.items():  # state-dict order: the order `weights_hash` reads
+            if name.startswith(layers_prefix):
+                g = int(name[len(layers_prefix) :].split(".", 1)[0])
+                if g in done:
+                    continue
+                done.add(g)
+                prefix = f"{layers_prefix}{g}."
+                tensors = {}
+                with layers.layer(g) as layer:
+                    for rel, v in layer.state_dict().items():
+                        update_tensor_digest(digest, v, label=f"{prefix}{rel}:")
+                        tensors[prefix + rel] = on_disk(v)
+                save_file(tensors, str(tmp / shard[g]), metadata={"format": "pt"})
+                weight_map.update({k: shard[g] for k in tensors})
+                del tensors
+                continue
+            # a resident tensor kept narrower than the compute dtype (see LayerRunner) is hashed as computed
+            update_tensor_digest(digest, t.to(compute) if t.is_floating_point() and t.dtype != compute else t, label=f"{name}:")
+            if not (tied and name == head):
+                rest[name] = on_disk(t)
+        save_file(rest, str(tmp / shard[n]), metadata={"format": "pt"})
+        weight_map.update({k: shard[n] for k in rest})
+        nbytes = sum((tmp / f).stat().st_size for f in shard)
+        write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": nbytes}, "weight_map": weight_map})
+        skeleton.config.architectures = [type(skeleton).__name__]
+        skeleton.config.save_pretrained(tmp)
+        set_config_dtype(tmp / "config.json", dtype_name(saved))
+        if skeleton.can_generate():
+            skeleton.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        finish_checkpoint(tmp, manifest, name=Path(out).name, layers=n, parameters=sum(p.numel() for p in skeleton.parameters()),
+                          dtype=dtype_name(saved), weights_sha256=digest.hexdigest())
+    return Path(out)
+
+
+__all__ = ["LayerRunner", "available_memory", "block_influence_layerwise", "boundary_walk", "check_fits", "checkpoint_bytes_at", "compute_head",
+           "open_runner", "open_streamed", "parse_memory", "return_freed_memory", "runner_perplexity", "should_stream",
+           "streamable_dir", "streamed_nll", "streamed_perplexity", "widened_linear", "write_streamed"]
