@@ -222,35 +222,34 @@ def _initial_losses(run: Run, shard: int) -> dict[int, float]:
 
 
 def _phase1(run: Run, steps: int, shards: list[int]) -> None:
-    """Difficulty order, teacher inputs; each rank trains its share, rank 0 assembles."""
+    """Difficulty order, teacher inputs; each rank trains its share, rank 0 saves every segment.
+
+    In rounds: each rank trains its next segment, the round's segments (and logs) are gathered to rank 0, which
+    saves them before the next round. So rank 0 holds at most one segment per rank (a streamed student is never
+    gathered whole) and an interrupted distributed run keeps every finished round for `--resume`."""
     order = run.state["order"]
-    mine = cur.assign_ranks(order, run.dist.world_size, {s.index: s.student_end - s.student_start for s in run.segments})[run.dist.rank]
+    shares = cur.assign_ranks(order, run.dist.world_size, {s.index: s.student_end - s.student_start for s in run.segments})
     done = set(run.state["phase1_done"])
-    trained = {}
-    for k in mine:
-        seg = run.segments[k]
-        if k in done:
-            continue
-        with run.materialized(seg):
-            _train_segment(run, seg, phase=1, steps=steps, shards=shards)
-            tensors = _segment_state(run, seg)
-        if run.dist.active:
-            trained[k] = tensors
-        else:
-            _save_segment(run, seg, 1, tensors)
-            run.state["phase1_done"].append(k)
-            run.save_state()
-    if run.dist.active:
-        gathered = run.dist.gather((trained, run.log_buffer))
+    todo = {r: [k for k in ks if k not in done] for r, ks in shares.items()}
+    mine = todo[run.dist.rank]
+    for i in range(max(len(ks) for ks in todo.values())):
+        k, tensors = (mine[i] if i < len(mine) else None), None
+        if k is not None:
+            seg = run.segments[k]
+            with run.materialized(seg):
+                _train_segment(run, seg, phase=1, steps=steps, shards=shards)
+                tensors = _segment_state(run, seg)
+        gathered = run.dist.gather(((k, tensors), run.log_buffer))  # [this one] in a single process
         run.log_buffer = []
         if run.dist.is_main:
-            for part, records in gathered:
+            for (j, part), records in gathered:
                 for rec in records:
                     append_jsonl(run.out / "train_log.jsonl", rec)
-                for k, tensors in part.items():
-                    _save_segment(run, run.segments[k], 1, tensors)
-                    run.state["phase1_done"].append(k)
+                if j is not None:
+                    _save_segment(run, run.segments[j], 1, part)
+                    run.state["phase1_done"].append(j)
             run.save_state()
+        del gathered, tensors
         run.dist.barrier()
     for k in sorted(run.state["phase1_done"] if run.dist.is_main else []):
         _load_segment(run, run.segments[k], 1)
@@ -489,14 +488,20 @@ def _stream_path(cfg: DistillConfig, dev, dist: DistInfo, max_memory: int | None
     from llmcompress.distill.stream import check_streamable, whole_model_needs
     from llmcompress.io.stream import check_fits, should_stream
 
-    if whole_model_needs(cfg):
+    needs = whole_model_needs(cfg)
+    if needs:
         if max_memory == 0:
             check_streamable(cfg, "--max-memory 0 streams the teacher layer by layer")
         check_fits(cfg.teacher, torch.float32, dev, what="distill (the teacher and its student)", budget=max_memory,
-                   fix="use --mode layerwise without --e2e-steps (streamed layer by layer), or a machine or GPU with more memory")
+                   fix=f"drop {' and '.join(needs)} (the layer-wise mode streams layer by layer), or use a machine or GPU with more memory")
         return None
     path = should_stream(cfg.teacher, torch.float32, dev, max_memory, what="the layer-wise distillation") if dist.is_main else None
-    return dist.broadcast(path)
+    path = dist.broadcast(path)
+    if path is not None:
+        from llmcompress.distill.stream import check_streamed_run
+
+        check_streamed_run(cfg, path, max_memory if max_memory else available_memory(dev))
+    return path
 
 
 def _streamed_student(run: Run, runner, keep: list[int] | None):
@@ -504,16 +509,11 @@ def _streamed_student(run: Run, runner, keep: list[int] | None):
     import torch
 
     from llmcompress.distill.stream import StudentRunner
-    from llmcompress.errors import UserError
     from llmcompress.io.stream import streamable_dir
 
     if keep is not None:
         return StudentRunner.removal(runner, keep)
-    path = streamable_dir(run.cfg.student)
-    if path is None:
-        raise UserError(f"the teacher is streamed layer by layer, and so must be the student {run.cfg.student}, which is not a "
-                        "safetensors checkpoint", "pass a checkpoint directory with *.safetensors (a collapse output is one)")
-    student = StudentRunner.open(path, dtype=torch.float32, device=run.device, batch=runner.batch)
+    student = StudentRunner.open(streamable_dir(run.cfg.student), dtype=torch.float32, device=run.device, batch=runner.batch)  # checked by _stream_path
     student.parent = runner
     return student
 

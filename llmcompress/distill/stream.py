@@ -58,6 +58,58 @@ def check_streamable(cfg: DistillConfig, why: str) -> None:
                         "use --mode layerwise without --e2e-steps and with text data (streamed layer by layer), or more memory")
 
 
+def layer_bytes(path: Path, dtype_bytes: int = 4) -> dict[int, int]:
+    """Bytes of each decoder layer of the safetensors checkpoint at `path` at `dtype_bytes` per value, from the
+    files' headers (layer i: the tensors named `...layers.i.` or, GPT-2, `...h.i.`)."""
+    import json
+    import re
+
+    pattern = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+    out: dict[int, int] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, info in header.items():
+            m = pattern.search(name) if name != "__metadata__" else None
+            if m:
+                n = 1
+                for d in info["shape"]:
+                    n *= d
+                out[int(m.group(1))] = out.get(int(m.group(1)), 0) + n * dtype_bytes
+    return out
+
+
+def segment_need(n_student: int, segments: int | None, per_layer: int) -> tuple[int, int]:
+    """(bytes, layers) of the largest segment while it trains: its float32 weights, their gradients and AdamW's
+    two moments (4 copies), for `n_student` student layers in `segments` groups (None: one per layer)."""
+    import math
+
+    largest = math.ceil(n_student / (segments or n_student))
+    return 4 * largest * per_layer, largest
+
+
+def check_streamed_run(cfg: DistillConfig, path: Path, budget: int) -> None:
+    """Before anything is written, for a run whose teacher streams from `path`: the `--student` checkpoint must
+    stream too (safetensors), and the largest segment must train within `budget` bytes (one line otherwise)."""
+    from llmcompress.io.stream import streamable_dir
+
+    source = path
+    if cfg.student is not None:
+        source = streamable_dir(cfg.student)
+        if source is None:
+            raise UserError(f"the teacher is streamed layer by layer, and so must be the student {cfg.student}, which is not a "
+                            "safetensors checkpoint directory", "pass a checkpoint directory with *.safetensors (a collapse output is one)")
+    sizes = layer_bytes(source)
+    n_student = cfg.keep_layers if cfg.student is None else len(sizes)
+    if not sizes or not n_student:
+        return
+    need, largest = segment_need(n_student, cfg.segments, max(sizes.values()))
+    if need > budget:
+        fix = (f"use --segments {n_student} (one student layer per segment)" if largest > 1 else "use a machine or GPU with more memory")
+        raise UserError(f"a segment of {largest} layer{'s' if largest > 1 else ''} trains with its float32 weights, gradients and "
+                        f"AdamW moments ({need / 2**30:.2f} GiB), above the memory budget of {budget / 2**30:.2f} GiB", fix)
+
+
 class StudentRunner(LayerRunner):
     """A LayerRunner over the student: layer i from its last segment file once trained (`use_segment`), else
     from its source checkpoint (the teacher's files under remapped keys, or the student checkpoint's own)."""
@@ -170,9 +222,17 @@ def build_teacher_cache_streamed(
 
 def files_key(path: Path) -> list:
     """What identifies a streamed checkpoint for the feature cache's key without reading its weights: its
-    resolved path and each safetensors file's name, size and modification time."""
+    resolved path and each safetensors file's name, size, modification time and header (tensor names, shapes,
+    dtypes and offsets)."""
+    import hashlib
+
     path = Path(path).resolve()
-    return [str(path)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(path.glob("*.safetensors"))]
+    out: list = [str(path)]
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = fh.read(int.from_bytes(fh.read(8), "little"))
+        out.append([f.name, f.stat().st_size, f.stat().st_mtime_ns, hashlib.sha256(header).hexdigest()])
+    return out
 
 
 def ppl_streamed(runner: LayerRunner, tokenizer, cfg: DistillConfig) -> float | None:
@@ -184,5 +244,5 @@ def ppl_streamed(runner: LayerRunner, tokenizer, cfg: DistillConfig) -> float | 
     return runner_perplexity(runner, tokenizer, "wikitext2", seq_len=cfg.eval_seq_len, max_tokens=cfg.eval_tokens)["ppl"]
 
 
-__all__ = ["StudentRunner", "build_teacher_cache_streamed", "check_streamable", "chunk_batches", "files_key", "ppl_streamed",
-           "whole_model_needs"]
+__all__ = ["StudentRunner", "build_teacher_cache_streamed", "check_streamable", "check_streamed_run", "chunk_batches", "files_key",
+           "layer_bytes", "ppl_streamed", "segment_need", "whole_model_needs"]

@@ -204,6 +204,10 @@ class LayerRunner:
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
         model.eval()
+        if (path / "generation_config.json").is_file():  # the checkpoint's own (eos ids, sampling), as from_pretrained reads it
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(str(path))
         files = _index(path)
         keys = _key_map(model, files)
         runner = cls(model, files=files, keys=keys, device=device, dtype=dtype, batch=batch)
