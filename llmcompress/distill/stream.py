@@ -61,21 +61,16 @@ def check_streamable(cfg: DistillConfig, why: str) -> None:
 def layer_bytes(path: Path, dtype_bytes: int = 4) -> dict[int, int]:
     """Bytes of each decoder layer of the safetensors checkpoint at `path` at `dtype_bytes` per value, from the
     files' headers (layer i: the tensors named `...layers.i.` or, GPT-2, `...h.i.`)."""
-    import json
     import re
+
+    from llmcompress.io.stream import numel, safetensors_headers
 
     pattern = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
     out: dict[int, int] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+    for _, header in safetensors_headers(path):
         for name, info in header.items():
-            m = pattern.search(name) if name != "__metadata__" else None
-            if m:
-                n = 1
-                for d in info["shape"]:
-                    n *= d
-                out[int(m.group(1))] = out.get(int(m.group(1)), 0) + n * dtype_bytes
+            if m := pattern.search(name):
+                out[int(m.group(1))] = out.get(int(m.group(1)), 0) + numel(info["shape"]) * dtype_bytes
     return out
 
 
@@ -224,15 +219,10 @@ def files_key(path: Path) -> list:
     """What identifies a streamed checkpoint for the feature cache's key without reading its weights: its
     resolved path and each safetensors file's name, size, modification time and header (tensor names, shapes,
     dtypes and offsets)."""
-    import hashlib
+    from llmcompress.io.stream import safetensors_headers
 
     path = Path(path).resolve()
-    out: list = [str(path)]
-    for f in sorted(path.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            header = fh.read(int.from_bytes(fh.read(8), "little"))
-        out.append([f.name, f.stat().st_size, f.stat().st_mtime_ns, hashlib.sha256(header).hexdigest()])
-    return out
+    return [str(path)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns, header] for f, header in safetensors_headers(path)]
 
 
 def ppl_streamed(runner: LayerRunner, tokenizer, cfg: DistillConfig) -> float | None:

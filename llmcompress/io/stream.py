@@ -70,22 +70,29 @@ def available_memory(device=None) -> int:
     return int(psutil.virtual_memory().available)
 
 
+def safetensors_headers(path: Path):
+    """(file, header) for each safetensors file of the checkpoint at `path`, in name order: the JSON header
+    (tensor name -> dtype, shape, offsets; `__metadata__` dropped), read without touching the weights."""
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        header.pop("__metadata__", None)
+        yield f, header
+
+
+def numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def checkpoint_bytes_at(path: Path, dtype) -> int:
     """Bytes the checkpoint at `path` takes in memory at `dtype` (from the safetensors headers only)."""
     import torch
 
-    n_bytes = 0
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        for k, v in header.items():
-            if k == "__metadata__":
-                continue
-            numel = 1
-            for d in v["shape"]:
-                numel *= d
-            n_bytes += numel * torch.empty((), dtype=dtype).element_size()
-    return n_bytes
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(numel(v["shape"]) * size for _, header in safetensors_headers(path) for v in header.values())
 
 
 def streamable_dir(spec: str) -> Path | None:
@@ -710,5 +717,5 @@ def write_streamed(skeleton: nn.Module, layers, tokenizer, out: Path, manifest: 
 
 
 __all__ = ["LayerRunner", "available_memory", "block_influence_layerwise", "boundary_walk", "check_fits", "checkpoint_bytes_at", "compute_head",
-           "open_runner", "open_streamed", "parse_memory", "return_freed_memory", "runner_perplexity", "should_stream",
+           "open_runner", "open_streamed", "parse_memory", "return_freed_memory", "runner_perplexity", "safetensors_headers", "should_stream",
            "streamable_dir", "streamed_nll", "streamed_perplexity", "widened_linear", "write_streamed"]
